@@ -1,0 +1,176 @@
+"""Demo tools that call the sandbox payments service over HTTP.
+
+Each shows one effect class: ``lookup_order`` (read), ``refund_payment`` (reconcilable: the
+sandbox may not deduplicate, but it answers a lookup by key) and ``send_notification``
+(unsafe: neither, so an unknown outcome always goes to a person).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+from django.conf import settings
+
+from runs.registry import (
+    ApprovalPolicy,
+    Effect,
+    LookupResult,
+    OutcomeUnknown,
+    Reconciliation,
+    Tool,
+    ToolContext,
+    ToolFailed,
+    ToolResult,
+)
+
+REFUND_APPROVAL_THRESHOLD_CENTS = 10_000
+
+
+def _url(path: str) -> str:
+    return settings.AGENTOPS["SANDBOX_URL"].rstrip("/") + path
+
+
+def _request(method: str, path: str, *, timeout: float, **kwargs: Any) -> httpx.Response:
+    """Map transport trouble onto the engine's outcome classes: a timeout, a reset or a 5xx
+    is an unknown outcome (the request may have been applied); a 4xx is a definite no."""
+    try:
+        response = httpx.request(method, _url(path), timeout=timeout, **kwargs)
+    except httpx.TimeoutException as exc:
+        raise OutcomeUnknown(f"{method} {path} timed out after {timeout}s") from exc
+    except httpx.TransportError as exc:
+        raise OutcomeUnknown(f"{method} {path}: {type(exc).__name__}: {exc}") from exc
+    if response.status_code >= 500:
+        raise OutcomeUnknown(f"{method} {path} answered {response.status_code}")
+    if response.status_code >= 400:
+        body = _json(response)
+        raise ToolFailed(
+            f"{method} {path} answered {response.status_code}: {body.get('error', body)}"
+        )
+    return response
+
+
+def _json(response: httpx.Response) -> dict[str, Any]:
+    try:
+        return response.json()
+    except ValueError:
+        return {"raw": response.text[:200]}
+
+
+# --- lookup_order (read) ----------------------------------------------------------------------
+
+
+def lookup_order(arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
+    response = _request("GET", f"/orders/{arguments['order_id']}", timeout=ctx.timeout)
+    return ToolResult(result=response.json())
+
+
+LOOKUP_ORDER = Tool(
+    name="lookup_order",
+    effect=Effect.READ,
+    call=lookup_order,
+    description="Look up an order in the payments service.",
+    schema={
+        "type": "object",
+        "properties": {"order_id": {"type": "string", "pattern": "^ord_[0-9]+$"}},
+        "required": ["order_id"],
+        "additionalProperties": False,
+    },
+    timeout=5.0,
+)
+
+
+# --- refund_payment (reconcilable) ----------------------------------------------------------------
+
+
+def refund_payment(arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
+    response = _request(
+        "POST",
+        "/refunds",
+        timeout=ctx.timeout,
+        json={
+            "idempotency_key": ctx.idempotency_key,
+            "order_id": arguments["order_id"],
+            "amount_cents": arguments["amount_cents"],
+            "reason": arguments.get("reason", ""),
+        },
+    )
+    body = response.json()
+    return ToolResult(result=body, external_ref=body.get("refund_id", ""))
+
+
+def reconcile_refund(idempotency_key: str, arguments: Mapping[str, Any]) -> Reconciliation:
+    response = _request("GET", "/refunds", timeout=5.0, params={"idempotency_key": idempotency_key})
+    body = response.json()
+    found = body.get("found")
+    if found is True:
+        refund = body["refunds"][0]
+        return Reconciliation(LookupResult.FOUND, result=refund, external_ref=refund["refund_id"])
+    if found is False:
+        return Reconciliation(LookupResult.ABSENT)
+    return Reconciliation(LookupResult.UNKNOWN, detail=str(body.get("detail", "lookup undecided")))
+
+
+def _large_refund(arguments: Mapping[str, Any]) -> bool:
+    """refunds above 100.00"""
+    return int(arguments.get("amount_cents", 0)) > REFUND_APPROVAL_THRESHOLD_CENTS
+
+
+REFUND_PAYMENT = Tool(
+    name="refund_payment",
+    effect=Effect.RECONCILABLE,
+    call=refund_payment,
+    reconcile=reconcile_refund,
+    description="Refund (part of) an order. Refunds above 100.00 need an approver.",
+    schema={
+        "type": "object",
+        "properties": {
+            "order_id": {"type": "string", "pattern": "^ord_[0-9]+$"},
+            "amount_cents": {"type": "integer", "minimum": 1},
+            "reason": {"type": "string", "maxLength": 500},
+            "customer_email": {"type": "string"},
+        },
+        "required": ["order_id", "amount_cents"],
+        "additionalProperties": False,
+    },
+    sensitive_fields=("customer_email",),
+    approval=ApprovalPolicy(when=_large_refund, group="approver", ttl_seconds=24 * 3600),
+    timeout=5.0,
+)
+
+
+# --- send_notification (unsafe) --------------------------------------------------------------------
+
+
+def send_notification(arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
+    response = _request(
+        "POST",
+        "/notifications",
+        timeout=ctx.timeout,
+        json={"to": arguments["to"], "subject": arguments["subject"], "body": arguments["body"]},
+    )
+    body = response.json()
+    return ToolResult(result=body, external_ref=body.get("notification_id", ""))
+
+
+SEND_NOTIFICATION = Tool(
+    name="send_notification",
+    effect=Effect.UNSAFE,
+    call=send_notification,
+    description="Send a message to a customer. Cannot be looked up or deduplicated.",
+    schema={
+        "type": "object",
+        "properties": {
+            "to": {"type": "string", "minLength": 3},
+            "subject": {"type": "string", "minLength": 1, "maxLength": 200},
+            "body": {"type": "string", "minLength": 1},
+        },
+        "required": ["to", "subject", "body"],
+        "additionalProperties": False,
+    },
+    sensitive_fields=("to",),
+    timeout=5.0,
+)
+
+ALL_TOOLS = (LOOKUP_ORDER, REFUND_PAYMENT, SEND_NOTIFICATION)

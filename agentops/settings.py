@@ -1,0 +1,183 @@
+"""agentops settings: everything comes from the environment through typed helpers.
+
+Defaults are for development (`make run`): an embedded SQLite database in WAL mode under
+``var/``. Set ``DATABASE_URL`` for PostgreSQL (psycopg 3).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from agentops.env import env_bool, env_float, env_int, env_list, env_str
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = Path(env_str("AGENTOPS_VAR_DIR", str(BASE_DIR / "var")))
+
+DEBUG = env_bool("DEBUG", True)
+SECRET_KEY = env_str("SECRET_KEY", "dev-insecure-secret-key-change-me" if DEBUG else None)
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "testserver"])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "django_htmx",
+    "template_partials",
+    "rest_framework",
+    "django_q",
+    "runs",
+    "approvals",
+    "agentops.demo",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "django_htmx.middleware.HtmxMiddleware",
+]
+
+ROOT_URLCONF = "agentops.urls"
+WSGI_APPLICATION = "agentops.wsgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [BASE_DIR / "templates"],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+# --- database ---------------------------------------------------------------------------
+_default_sqlite = VAR_DIR / "agentops.sqlite3"
+DATABASE_URL = env_str("DATABASE_URL", f"sqlite:///{_default_sqlite}")
+try:
+    _db = dj_database_url.parse(DATABASE_URL)
+except Exception as exc:  # dj-database-url raises several types for a bad URL
+    raise ImproperlyConfigured(f"DATABASE_URL is not a usable database URL: {exc}") from None
+
+if _db["ENGINE"] == "django.db.backends.sqlite3":
+    Path(_db["NAME"]).parent.mkdir(parents=True, exist_ok=True)
+    _db["OPTIONS"] = {
+        # WAL lets readers run beside the single writer; IMMEDIATE takes the write lock at
+        # BEGIN so two writers queue on the busy timeout instead of failing mid-transaction.
+        "init_command": "PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;",
+        "transaction_mode": "IMMEDIATE",
+        "timeout": env_float("AGENTOPS_SQLITE_TIMEOUT", 30.0),
+    }
+    # A file (not :memory:) so worker subprocesses started by tests see the same data.
+    _db["TEST"] = {"NAME": f"{_db['NAME']}.test"}
+    _db["CONN_MAX_AGE"] = 0
+elif _db["ENGINE"] == "django.db.backends.postgresql":
+    _db["CONN_MAX_AGE"] = env_int("CONN_MAX_AGE", 60)
+    _db["CONN_HEALTH_CHECKS"] = True
+    _db["TEST"] = {"NAME": env_str("AGENTOPS_TEST_DATABASE", f"test_{_db['NAME']}")}
+else:
+    raise ImproperlyConfigured(f"DATABASE_URL uses an unsupported engine: {_db['ENGINE']}")
+DATABASES = {"default": _db}
+IS_SQLITE = _db["ENGINE"] == "django.db.backends.sqlite3"
+
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATICFILES_DIRS = [BASE_DIR / "static"]
+STATIC_ROOT = VAR_DIR / "static"
+
+LOGIN_URL = "login"
+LOGIN_REDIRECT_URL = "/"
+LOGOUT_REDIRECT_URL = "login"
+
+EMAIL_BACKEND = env_str("EMAIL_BACKEND", "django.core.mail.backends.console.EmailBackend")
+EMAIL_HOST = env_str("EMAIL_HOST", "localhost")
+EMAIL_PORT = env_int("EMAIL_PORT", 25)
+DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "agentops@localhost")
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.SessionAuthentication"],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+}
+
+# --- django-q2: only the wake-up signal; the run table decides what runs ---------------
+Q_CLUSTER = {
+    "name": "agentops",
+    "orm": "default",
+    "workers": env_int("AGENTOPS_Q_WORKERS", 2),
+    # A task advances one slice (bounded by AGENTOPS_SLICE_SECONDS); timeout < retry so the
+    # broker does not hand a still-running slice to a second worker. If it ever does, the
+    # second copy finds the lease taken and exits.
+    "timeout": env_int("AGENTOPS_Q_TIMEOUT", 300),
+    "retry": env_int("AGENTOPS_Q_RETRY", 360),
+    "save_limit": -1,
+    "ack_failures": True,
+    "max_attempts": 1,
+    "poll": env_float("AGENTOPS_Q_POLL", 0.2),
+    "catch_up": False,
+    "sync": env_bool("AGENTOPS_Q_SYNC", False),
+    "label": "Tasks",
+}
+
+# --- the engine ---------------------------------------------------------------------------
+AGENTOPS = {
+    # lease length; renewed at every checkpoint and by a heartbeat during tool calls
+    "LEASE_TTL": env_float("AGENTOPS_LEASE_TTL", 30.0),
+    # how often the sweeper looks for expired leases, due timers and orphaned runs
+    "SWEEP_INTERVAL": env_float("AGENTOPS_SWEEP_INTERVAL", 1.0),
+    # an enqueued run not claimed within this long is enqueued again (duplicates are harmless)
+    "REQUEUE_AFTER": env_float("AGENTOPS_REQUEUE_AFTER", 10.0),
+    # one task advances at most this many steps / seconds, then yields to other runs
+    "SLICE_STEPS": env_int("AGENTOPS_SLICE_STEPS", 50),
+    "SLICE_SECONDS": env_float("AGENTOPS_SLICE_SECONDS", 60.0),
+    "MAX_RECOVERIES": env_int("AGENTOPS_MAX_RECOVERIES", 10),
+    # reconciliation lookups that fail or cannot decide: retried with backoff, then a person
+    "RECONCILE_MAX_ATTEMPTS": env_int("AGENTOPS_RECONCILE_MAX_ATTEMPTS", 5),
+    "RECONCILE_BACKOFF": env_float("AGENTOPS_RECONCILE_BACKOFF", 1.0),
+    # a call that is reliably absent is sent again only after dispatched_at + timeout + margin
+    "REDISPATCH_MARGIN": env_float("AGENTOPS_REDISPATCH_MARGIN", 2.0),
+    # read tools are retried this many times before the step fails
+    "READ_MAX_ATTEMPTS": env_int("AGENTOPS_READ_MAX_ATTEMPTS", 3),
+    # liveness canary: a worker whose cluster ran no task for FROZEN_AFTER while work waits
+    "CANARY_INTERVAL": env_float("AGENTOPS_CANARY_INTERVAL", 5.0),
+    "FROZEN_AFTER": env_float("AGENTOPS_FROZEN_AFTER", 30.0),
+    # a worker identity whose heartbeat is older than this is dead
+    "WORKER_STALE_AFTER": env_float("AGENTOPS_WORKER_STALE_AFTER", 15.0),
+    "DEFAULT_MAX_STEPS": env_int("AGENTOPS_DEFAULT_MAX_STEPS", 100),
+    "SANDBOX_URL": env_str("AGENTOPS_SANDBOX_URL", "http://127.0.0.1:8765"),
+}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
+    "loggers": {
+        "django-q": {"level": env_str("Q_LOG_LEVEL", "WARNING")},
+        "httpx": {"level": "WARNING"},
+    },
+}

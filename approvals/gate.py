@@ -1,0 +1,68 @@
+"""The approvals app's implementation of ``runs.gate.ApprovalGate``."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from approvals.models import Approval
+from runs.gate import GateRefused
+
+
+class ApprovalsGate:
+    def request(self, *, cp, run, call, tool) -> None:
+        policy = tool.approval
+        approval = Approval.objects.create(
+            run_id=call.run_id,
+            tool_call=call,
+            tool_name=call.tool_name,
+            tool_version=call.tool_version,
+            arguments_digest=call.arguments_digest,
+            precondition_fingerprint=call.precondition_fingerprint,
+            arguments_masked=call.arguments_masked,
+            approver_group=policy.group,
+            required_count=policy.required,
+            allow_self_approval=policy.allow_self_approval,
+            on_expiry=str(policy.on_expiry),
+            expires_at=timezone.now() + timedelta(seconds=policy.ttl_seconds),
+        )
+        cp.event(
+            "approval.requested",
+            approval=approval.id,
+            seq=call.step.seq,
+            tool=call.tool_name,
+            arguments=call.arguments_masked,
+            group=policy.group,
+            required=policy.required,
+            expires_at=approval.expires_at.isoformat(),
+        )
+
+    def consume(self, *, cp, call, tool) -> None:
+        # One conditional UPDATE: an approval is consumed exactly once, and only while it is
+        # still bound to this exact call (tool, version, arguments) and not expired.
+        consumed = Approval.objects.filter(
+            tool_call=call,
+            status=Approval.Status.APPROVED,
+            consumed_at__isnull=True,
+            tool_name=call.tool_name,
+            tool_version=call.tool_version,
+            arguments_digest=call.arguments_digest,
+            precondition_fingerprint=call.precondition_fingerprint,
+        ).update(consumed_at=Now())
+        if consumed != 1:
+            raise GateRefused("no unconsumed approval bound to this call")
+        cp.event("approval.consumed", seq=call.step.seq, tool=call.tool_name)
+
+    def cancel(self, *, cp, call, reason) -> None:
+        live = Approval.objects.filter(
+            tool_call=call,
+            status__in=[Approval.Status.PENDING, Approval.Status.APPROVED],
+            consumed_at__isnull=True,
+        )
+        for approval in live:
+            approval.status = Approval.Status.CANCELLED
+            approval.reason = reason
+            approval.save(update_fields=["status", "reason"])
+            cp.event("approval.cancelled", approval=approval.id, reason=reason)

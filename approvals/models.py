@@ -1,0 +1,83 @@
+"""Approvals bound to the exact call they allow (DESIGN §7)."""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+from runs.models import Run, ToolCall
+
+
+class Approval(models.Model):
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        APPROVED = "approved"
+        REJECTED = "rejected"
+        EXPIRED = "expired"
+        CANCELLED = "cancelled"
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="approvals")
+    tool_call = models.ForeignKey(ToolCall, on_delete=models.CASCADE, related_name="approvals")
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.PENDING)
+    # bound to the exact call: tool, tool version, argument digest, precondition
+    tool_name = models.CharField(max_length=100)
+    tool_version = models.CharField(max_length=64)
+    arguments_digest = models.CharField(max_length=64)
+    precondition_fingerprint = models.CharField(max_length=128, blank=True)
+    arguments_masked = models.JSONField(default=dict)
+    approver_group = models.CharField(max_length=150)
+    required_count = models.PositiveSmallIntegerField(default=1)
+    allow_self_approval = models.BooleanField(default=False)
+    on_expiry = models.CharField(max_length=20, default="reject")
+    requested_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    decided_at = models.DateTimeField(null=True, blank=True)
+    consumed_at = models.DateTimeField(null=True, blank=True)
+    reason = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["-requested_at"]
+        permissions = [("decide_approval", "Can decide approvals")]
+        constraints = [
+            # at most one live approval per call
+            models.UniqueConstraint(
+                fields=["tool_call"],
+                condition=Q(status__in=["pending", "approved"]) & Q(consumed_at__isnull=True),
+                name="approval_one_live_per_call",
+            )
+        ]
+        indexes = [
+            models.Index(
+                fields=["expires_at"], name="approval_pending_idx", condition=Q(status="pending")
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"approval {self.id} for {self.tool_name} ({self.status})"
+
+
+class ApprovalDecision(models.Model):
+    class Decision(models.TextChoices):
+        APPROVE = "approve"
+        REJECT = "reject"
+
+    approval = models.ForeignKey(Approval, on_delete=models.CASCADE, related_name="decisions")
+    decider = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+"
+    )
+    channel = models.CharField(max_length=20)
+    decision = models.CharField(max_length=20, choices=Decision.choices)
+    comment = models.TextField(blank=True)
+    edited_arguments = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["created_at"]
+        constraints = [
+            # each person decides at most once
+            models.UniqueConstraint(fields=["approval", "decider"], name="decision_once_per_person")
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.decision} by {self.decider_id}"

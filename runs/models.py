@@ -1,0 +1,315 @@
+"""The authoritative record (DESIGN §2). The database is the only truth.
+
+State changes happen in ``runs.services`` and ``runs.engine`` only; models hold no logic,
+except the integrity guard that makes ``RunEvent`` append-only.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+
+class Run(models.Model):
+    class Status(models.TextChoices):
+        QUEUED = "queued"
+        RUNNING = "running"
+        WAITING_APPROVAL = "waiting_approval"
+        WAITING_EVENT = "waiting_event"
+        NEEDS_ATTENTION = "needs_attention"
+        PAUSED = "paused"
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+        TERMINATED = "terminated"
+
+    class Reason(models.TextChoices):
+        UNKNOWN_OUTCOME = "unknown_outcome"
+        RECOVERY_LIMIT = "recovery_limit"
+        BUDGET_EXHAUSTED = "budget_exhausted"
+        INCOMPATIBLE_AGENT_VERSION = "incompatible_agent_version"
+        TOOL_RETIRED = "tool_retired"
+        PRINCIPAL_REVOKED = "principal_revoked"
+        APPROVAL_REJECTED = "approval_rejected"
+        APPROVAL_EXPIRED = "approval_expired"
+        OPERATOR_TERMINATED = "operator_terminated"
+        AGENT_FAILED = "agent_failed"
+
+    class Request(models.TextChoices):
+        """An operator's request the lease holder honours at its next boundary."""
+
+        NONE = ""
+        PAUSE = "pause"
+        TERMINATE = "terminate"
+
+    RUNNABLE = (Status.QUEUED, Status.RUNNING)
+    TERMINAL = (Status.SUCCEEDED, Status.FAILED, Status.TERMINATED)
+
+    id = models.UUIDField(primary_key=True, default=uuid.uuid4, editable=False)
+    agent_name = models.CharField(max_length=100)
+    agent_version = models.CharField(max_length=50)
+    goal = models.TextField(blank=True)
+    input = models.JSONField(default=dict, blank=True)
+    state = models.JSONField(default=dict, blank=True)
+    state_version = models.PositiveIntegerField(default=0)
+    result = models.JSONField(null=True, blank=True)
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.QUEUED)
+    reason_code = models.CharField(max_length=40, choices=Reason.choices, blank=True)
+    reason_detail = models.TextField(blank=True)
+    principal = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+
+    # budgets: limits and *persisted* usage (never reset by a restart)
+    max_steps = models.PositiveIntegerField(null=True, blank=True)
+    max_cost = models.DecimalField(max_digits=12, decimal_places=6, null=True, blank=True)
+    max_tokens = models.PositiveBigIntegerField(null=True, blank=True)
+    deadline = models.DateTimeField(null=True, blank=True)
+    steps_used = models.PositiveIntegerField(default=0)
+    cost_used = models.DecimalField(max_digits=12, decimal_places=6, default=0)
+    tokens_used = models.PositiveBigIntegerField(default=0)
+
+    # lease and fencing (DESIGN §3)
+    lease_owner = models.CharField(max_length=200, blank=True)
+    lease_expires_at = models.DateTimeField(null=True, blank=True)
+    fence = models.PositiveBigIntegerField(default=0)
+    recovery_count = models.PositiveIntegerField(default=0)
+    # not runnable before this time (reconciliation backoff, timers)
+    wake_at = models.DateTimeField(null=True, blank=True)
+    # when a wake-up task was last enqueued: the sweeper re-enqueues if nobody claimed it
+    enqueued_at = models.DateTimeField(null=True, blank=True)
+    requested_action = models.CharField(max_length=20, choices=Request.choices, blank=True)
+    requested_by = models.CharField(max_length=200, blank=True)
+    requested_reason = models.TextField(blank=True)
+
+    trace_id = models.CharField(max_length=32, default="", editable=False)
+    root_run = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="descendants"
+    )
+    event_seq = models.PositiveBigIntegerField(default=0)
+    last_event_hash = models.CharField(max_length=64, blank=True)
+
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        permissions = [
+            ("start_run", "Can start runs"),
+            ("operate_run", "Can pause, resume, terminate and recover runs"),
+            ("resolve_toolcall", "Can resolve unknown tool outcomes"),
+        ]
+        indexes = [
+            # the sweeper: runnable runs whose lease is free or expired
+            models.Index(
+                fields=["lease_expires_at"],
+                name="run_sweep_idx",
+                condition=Q(status__in=["queued", "running"]),
+            ),
+            models.Index(fields=["status", "-created_at"], name="run_status_created_idx"),
+            models.Index(fields=["agent_name", "-created_at"], name="run_agent_created_idx"),
+            models.Index(fields=["lease_owner"], name="run_lease_owner_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.agent_name} {self.id} ({self.status})"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self.status in self.TERMINAL
+
+
+class Step(models.Model):
+    class Kind(models.TextChoices):
+        TOOL_CALL = "tool_call"
+        WAIT = "wait"
+        FINISH = "finish"
+        FAIL = "fail"
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        COMPLETED = "completed"
+        FAILED = "failed"
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps")
+    seq = models.PositiveIntegerField()
+    kind = models.CharField(max_length=20, choices=Kind.choices)
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.PENDING)
+    input = models.JSONField(default=dict, blank=True)
+    output = models.JSONField(null=True, blank=True)
+    error = models.TextField(blank=True)
+    incarnation = models.PositiveBigIntegerField()
+    cost = models.DecimalField(max_digits=12, decimal_places=6, default=0)
+    tokens = models.PositiveBigIntegerField(default=0)
+    created_at = models.DateTimeField(auto_now_add=True)
+    completed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["run", "seq"]
+        constraints = [models.UniqueConstraint(fields=["run", "seq"], name="step_run_seq_uniq")]
+
+    def __str__(self) -> str:
+        return f"step {self.seq} {self.kind} ({self.status})"
+
+
+class ToolCall(models.Model):
+    class Status(models.TextChoices):
+        PROPOSED = "proposed"
+        AWAITING_APPROVAL = "awaiting_approval"
+        APPROVED = "approved"
+        REJECTED = "rejected"
+        DISPATCHING = "dispatching"
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+        UNKNOWN = "unknown"
+        CANCELLED = "cancelled"
+
+    OPEN = (
+        Status.PROPOSED,
+        Status.AWAITING_APPROVAL,
+        Status.APPROVED,
+        Status.DISPATCHING,
+        Status.UNKNOWN,
+    )
+
+    step = models.OneToOneField(Step, on_delete=models.CASCADE, related_name="tool_call")
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="tool_calls")
+    tool_name = models.CharField(max_length=100)
+    tool_version = models.CharField(max_length=64)
+    effect = models.CharField(max_length=20)
+    # the real arguments live only here; events, pages and emails get the masked copy
+    arguments = models.JSONField(default=dict)
+    arguments_masked = models.JSONField(default=dict)
+    arguments_digest = models.CharField(max_length=64)
+    # <root run id>:<step seq>: stable across recoveries and forks
+    idempotency_key = models.CharField(max_length=100, unique=True)
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.PROPOSED)
+    attempt_count = models.PositiveIntegerField(default=0)
+    dispatched_at = models.DateTimeField(null=True, blank=True)
+    dispatch_incarnation = models.PositiveBigIntegerField(null=True, blank=True)
+    precondition_fingerprint = models.CharField(max_length=128, blank=True)
+    reconcile_attempts = models.PositiveIntegerField(default=0)
+    next_reconcile_at = models.DateTimeField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["run", "step__seq"]
+        indexes = [
+            models.Index(
+                fields=["status", "updated_at"],
+                name="toolcall_unknown_idx",
+                condition=Q(status="unknown"),
+            ),
+            models.Index(fields=["tool_name", "status"], name="toolcall_tool_status_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.tool_name} {self.idempotency_key} ({self.status})"
+
+
+class ToolReceipt(models.Model):
+    class Outcome(models.TextChoices):
+        SUCCEEDED = "succeeded"
+        FAILED = "failed"
+
+    class Source(models.TextChoices):
+        TOOL = "tool"
+        RECONCILIATION = "reconciliation"
+        OPERATOR = "operator"
+        AGENT = "agent"
+
+    tool_call = models.OneToOneField(ToolCall, on_delete=models.CASCADE, related_name="receipt")
+    outcome = models.CharField(max_length=20, choices=Outcome.choices)
+    result = models.JSONField(null=True, blank=True)
+    external_ref = models.CharField(max_length=200, blank=True)
+    source = models.CharField(max_length=20, choices=Source.choices)
+    recorded_by = models.CharField(max_length=200)
+    incarnation = models.PositiveBigIntegerField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["external_ref"], name="receipt_external_ref_idx")]
+
+    def __str__(self) -> str:
+        return f"receipt {self.outcome} for {self.tool_call_id}"
+
+
+class AppendOnlyError(Exception):
+    pass
+
+
+class RunEvent(models.Model):
+    """Append-only: appended only through ``runs.events.events_append``."""
+
+    class Channel(models.TextChoices):
+        WEB = "web"
+        EMAIL = "email"
+        API = "api"
+        ADMIN = "admin"
+        CLI = "cli"
+        WORKER = "worker"
+
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="events")
+    seq = models.PositiveBigIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+    type = models.CharField(max_length=50)
+    actor = models.CharField(max_length=200)
+    channel = models.CharField(max_length=20, choices=Channel.choices)
+    incarnation = models.PositiveBigIntegerField(null=True, blank=True)
+    payload = models.JSONField(default=dict, blank=True)
+    trace_id = models.CharField(max_length=32, blank=True)
+    span_id = models.CharField(max_length=16, blank=True)
+    payload_digest = models.CharField(max_length=64)
+    prev_hash = models.CharField(max_length=64)
+    hash = models.CharField(max_length=64)
+
+    class Meta:
+        ordering = ["run", "seq"]
+        constraints = [models.UniqueConstraint(fields=["run", "seq"], name="event_run_seq_uniq")]
+        indexes = [
+            models.Index(fields=["type", "-created_at"], name="event_type_created_idx"),
+            models.Index(fields=["-created_at"], name="event_created_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.run_id}#{self.seq} {self.type}"
+
+    # Integrity guard (CONVENTIONS §3): history is never rewritten through the ORM.
+    def save(self, *args, **kwargs):
+        if not self._state.adding:
+            raise AppendOnlyError("run events are append-only")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise AppendOnlyError("run events are append-only")
+
+
+class Worker(models.Model):
+    """A worker identity (``runworker --name``), held exclusively while its process lives."""
+
+    class Health(models.TextChoices):
+        STARTING = "starting"
+        HEALTHY = "healthy"
+        FROZEN = "frozen"
+        STOPPED = "stopped"
+
+    name = models.CharField(max_length=200, primary_key=True)
+    host = models.CharField(max_length=200)
+    pid = models.PositiveIntegerField()
+    boot_id = models.UUIDField(default=uuid.uuid4)
+    started_at = models.DateTimeField()
+    heartbeat_at = models.DateTimeField()
+    last_task_at = models.DateTimeField(null=True, blank=True)
+    health = models.CharField(max_length=20, choices=Health.choices, default=Health.STARTING)
+    detail = models.TextField(blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"worker {self.name} ({self.health})"

@@ -1,0 +1,269 @@
+"""Registry of hosted agents and tools (DESIGN §6).
+
+Agents and tools are registered in code with a name and a version. The engine looks them up
+by name when it claims a run; an unknown name is a clear error, never a crash loop.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import jsonschema
+
+
+class Effect(StrEnum):
+    READ = "read"  # no side effect: safe to call again
+    IDEMPOTENT = "idempotent"  # the external system honours the idempotency key
+    RECONCILABLE = "reconcilable"  # has a lookup by key
+    UNSAFE = "unsafe"  # neither: an unknown outcome always goes to a person
+
+
+class OnExpiry(StrEnum):
+    REJECT = "reject"
+    TERMINATE = "terminate"
+    ESCALATE = "escalate"
+
+
+@dataclass(frozen=True)
+class ApprovalPolicy:
+    """When a call needs a person's approval, and who may give it.
+
+    ``when`` is "never", "always" or a predicate on the arguments.
+    """
+
+    when: str | Callable[[Mapping[str, Any]], bool] = "never"
+    group: str = "approver"
+    required: int = 1
+    ttl_seconds: int = 24 * 3600
+    on_expiry: OnExpiry = OnExpiry.REJECT
+    escalate_to: str = ""
+    allow_self_approval: bool = False
+
+    def requires_approval(self, arguments: Mapping[str, Any]) -> bool:
+        if self.when == "never":
+            return False
+        if self.when == "always":
+            return True
+        return bool(self.when(arguments))
+
+    def describe(self) -> str:
+        if isinstance(self.when, str):
+            return self.when
+        return getattr(self.when, "__doc__", None) or "conditional"
+
+
+NO_APPROVAL = ApprovalPolicy()
+
+
+# --- what a tool returns -------------------------------------------------------------------
+
+
+@dataclass
+class ToolResult:
+    result: Any = None
+    external_ref: str = ""
+
+
+class ToolFailed(Exception):
+    """The external system answered: the call definitely did not take effect."""
+
+
+class OutcomeUnknown(Exception):
+    """The call may or may not have taken effect: timeout, connection reset, 5xx."""
+
+
+class LookupResult(StrEnum):
+    FOUND = "found"
+    ABSENT = "absent"
+    UNKNOWN = "unknown"
+
+
+@dataclass
+class Reconciliation:
+    outcome: LookupResult
+    result: Any = None
+    external_ref: str = ""
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    run_id: str
+    idempotency_key: str
+    attempt: int
+    timeout: float
+
+
+@dataclass
+class Tool:
+    name: str
+    effect: Effect
+    call: Callable[[Mapping[str, Any], ToolContext], ToolResult]
+    schema: Mapping[str, Any] = field(default_factory=lambda: {"type": "object"})
+    description: str = ""
+    sensitive_fields: tuple[str, ...] = ()
+    approval: ApprovalPolicy = NO_APPROVAL
+    allowed_groups: tuple[str, ...] = ()
+    timeout: float = 10.0
+    # lookup by idempotency key; raising is "don't know", never absence
+    reconcile: Callable[[str, Mapping[str, Any]], Reconciliation] | None = None
+    precondition: Callable[[Mapping[str, Any]], str] | None = None
+    version: str = ""
+
+    def __post_init__(self) -> None:
+        if self.effect == Effect.RECONCILABLE and self.reconcile is None:
+            raise ValueError(f"tool {self.name}: a reconcilable tool needs a reconcile lookup")
+        jsonschema.Draft202012Validator.check_schema(self.schema)
+        if not self.version:
+            # the version is the schema's hash: a changed schema is a changed tool
+            self.version = digest(
+                {
+                    "schema": self.schema,
+                    "effect": str(self.effect),
+                    "sensitive": self.sensitive_fields,
+                }
+            )[:16]
+
+    def validate(self, arguments: Any) -> list[str]:
+        validator = jsonschema.Draft202012Validator(self.schema)
+        return [
+            f"{'/'.join(str(p) for p in error.absolute_path) or '(root)'}: {error.message}"
+            for error in sorted(validator.iter_errors(arguments), key=lambda e: list(e.path))
+        ]
+
+    def mask(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        return mask(arguments, self.sensitive_fields)
+
+
+def mask(data: Mapping[str, Any], sensitive_fields: tuple[str, ...]) -> dict[str, Any]:
+    return {key: ("***" if key in sensitive_fields else value) for key, value in data.items()}
+
+
+def digest(data: Any) -> str:
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# --- what an agent decides ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CallTool:
+    tool: str
+    arguments: Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Finish:
+    result: Any = None
+
+
+@dataclass(frozen=True)
+class Fail:
+    reason: str
+
+
+Action = CallTool | Finish | Fail
+
+
+@dataclass(frozen=True)
+class StepView:
+    seq: int
+    kind: str
+    status: str
+    input: Mapping[str, Any]
+    output: Any
+    error: str
+
+
+@dataclass(frozen=True)
+class DecisionContext:
+    run_id: str
+    goal: str
+    input: Mapping[str, Any]
+    state: Mapping[str, Any]
+    steps: tuple[StepView, ...]
+
+    @property
+    def last_step(self) -> StepView | None:
+        return self.steps[-1] if self.steps else None
+
+
+class Agent:
+    """A hosted agent. ``decide`` sees the authoritative state and step history and returns
+    one action; ``apply`` folds a finished step's outcome into the state."""
+
+    name: str = ""
+    version: str = "1"
+    description: str = ""
+    input_schema: Mapping[str, Any] = {"type": "object"}
+    tools: tuple[str, ...] = ()
+
+    def initial_state(self, input: Mapping[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def decide(self, ctx: DecisionContext) -> Action:
+        raise NotImplementedError
+
+    def apply(self, state: dict[str, Any], step: StepView) -> dict[str, Any]:
+        return state
+
+
+class UnknownAgent(LookupError):
+    pass
+
+
+class UnknownTool(LookupError):
+    pass
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._agents: dict[str, Agent] = {}
+        self._tools: dict[str, Tool] = {}
+
+    def register_tool(self, tool: Tool) -> Tool:
+        self._tools[tool.name] = tool
+        return tool
+
+    def register_agent(self, agent: Agent) -> Agent:
+        if not agent.name:
+            raise ValueError("an agent needs a name")
+        jsonschema.Draft202012Validator.check_schema(agent.input_schema)
+        missing = [name for name in agent.tools if name not in self._tools]
+        if missing:
+            raise ValueError(f"agent {agent.name} uses unregistered tools: {', '.join(missing)}")
+        self._agents[agent.name] = agent
+        return agent
+
+    def unregister_agent(self, name: str) -> None:
+        self._agents.pop(name, None)
+
+    def unregister_tool(self, name: str) -> None:
+        self._tools.pop(name, None)
+
+    def agent(self, name: str) -> Agent:
+        try:
+            return self._agents[name]
+        except KeyError:
+            raise UnknownAgent(f"unknown agent {name!r}") from None
+
+    def tool(self, name: str) -> Tool:
+        try:
+            return self._tools[name]
+        except KeyError:
+            raise UnknownTool(f"unknown tool {name!r}") from None
+
+    def agents(self) -> list[Agent]:
+        return sorted(self._agents.values(), key=lambda a: a.name)
+
+    def tools(self) -> list[Tool]:
+        return sorted(self._tools.values(), key=lambda t: t.name)
+
+
+registry = Registry()

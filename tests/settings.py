@@ -1,0 +1,27 @@
+"""Test settings: the real settings with short leases and poll intervals, so crash and
+recovery tests finish in seconds. Worker subprocesses started by tests use this module too."""
+
+import os
+
+_FAST = {
+    "AGENTOPS_LEASE_TTL": "3",
+    "AGENTOPS_SWEEP_INTERVAL": "0.2",
+    "AGENTOPS_REQUEUE_AFTER": "1.5",
+    "AGENTOPS_RECONCILE_BACKOFF": "0.2",
+    "AGENTOPS_RECONCILE_MAX_ATTEMPTS": "3",
+    "AGENTOPS_REDISPATCH_MARGIN": "0.5",
+    "AGENTOPS_WORKER_STALE_AFTER": "3",
+    "AGENTOPS_CANARY_INTERVAL": "1",
+    "AGENTOPS_FROZEN_AFTER": "8",
+    "AGENTOPS_Q_POLL": "0.05",
+    "AGENTOPS_Q_TIMEOUT": "60",
+    "AGENTOPS_Q_RETRY": "90",
+    "AGENTOPS_SLICE_SECONDS": "20",
+}
+for _key, _value in _FAST.items():
+    os.environ.setdefault(_key, _value)
+
+from agentops.settings import *  # noqa: E402,F403
+
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
