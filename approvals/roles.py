@@ -1,0 +1,53 @@
+"""Roles (contract: Django groups) and the permissions each holds."""
+
+from __future__ import annotations
+
+ROLE_PERMISSIONS: dict[str, list[str]] = {
+    "viewer": ["runs.view_run", "runs.view_step", "runs.view_toolcall", "runs.view_runevent"],
+    "operator": [
+        "runs.view_run",
+        "runs.view_step",
+        "runs.view_toolcall",
+        "runs.view_runevent",
+        "runs.start_run",
+        "runs.operate_run",
+        "runs.resolve_toolcall",
+        "approvals.view_approval",
+    ],
+    "approver": ["runs.view_run", "runs.view_toolcall", "approvals.view_approval", "approvals.decide_approval"],
+    "auditor": [
+        "runs.view_run",
+        "runs.view_step",
+        "runs.view_toolcall",
+        "runs.view_toolreceipt",
+        "runs.view_runevent",
+        "approvals.view_approval",
+        "approvals.view_approvaldecision",
+    ],
+    "admin": [
+        "runs.view_run",
+        "runs.start_run",
+        "runs.operate_run",
+        "runs.resolve_toolcall",
+        "approvals.view_approval",
+        "approvals.decide_approval",
+    ],
+}
+
+
+def sync_roles(apps) -> None:
+    """Create the role groups with their permissions (idempotent)."""
+    from django.contrib.auth.management import create_permissions
+
+    for app_config in apps.get_app_configs():
+        app_config.models_module = True
+        create_permissions(app_config, apps=apps, verbosity=0)
+        app_config.models_module = None
+    Group = apps.get_model("auth", "Group")
+    Permission = apps.get_model("auth", "Permission")
+    for role, perms in ROLE_PERMISSIONS.items():
+        group, _ = Group.objects.get_or_create(name=role)
+        for perm in perms:
+            app_label, codename = perm.split(".")
+            permission = Permission.objects.get(content_type__app_label=app_label, codename=codename)
+            group.permissions.add(permission)

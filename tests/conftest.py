@@ -1,0 +1,72 @@
+"""Shared fixtures: a real sandbox payments service, users in roles, and a driver that
+advances a run through the real engine until it parks."""
+
+from __future__ import annotations
+
+import pytest
+from django.conf import settings
+
+from agentops.demo.sandbox import start_sandbox
+from runs import engine
+from runs.actors import Actor
+from runs.models import Run
+
+
+@pytest.fixture(scope="session")
+def sandbox_process(tmp_path_factory):
+    db_path = tmp_path_factory.mktemp("sandbox") / "sandbox.sqlite3"
+    process = start_sandbox(str(db_path), mode="nodedupe")
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def sandbox(sandbox_process, monkeypatch):
+    """The sandbox in non-deduplicating mode, wiped before each test."""
+    import httpx
+
+    httpx.post(f"{sandbox_process.url}/reset", timeout=5).raise_for_status()
+    monkeypatch.setitem(settings.AGENTOPS, "SANDBOX_URL", sandbox_process.url)
+    return sandbox_process
+
+
+@pytest.fixture
+def system_actor() -> Actor:
+    return Actor.system("cli")
+
+
+def _user_in(django_user_model, username: str, *groups: str):
+    from django.contrib.auth.models import Group
+
+    user = django_user_model.objects.create_user(username=username, password="pw-" + username)
+    for name in groups:
+        user.groups.add(Group.objects.get(name=name))
+    return user
+
+
+@pytest.fixture
+def operator(django_user_model):
+    return _user_in(django_user_model, "olivia", "operator")
+
+
+@pytest.fixture
+def approver(django_user_model):
+    return _user_in(django_user_model, "alice", "approver")
+
+
+@pytest.fixture
+def second_approver(django_user_model):
+    return _user_in(django_user_model, "bob", "approver")
+
+
+@pytest.fixture
+def viewer(django_user_model):
+    return _user_in(django_user_model, "victor", "viewer")
+
+
+def drive(run_id, *, worker: str = "test-worker", max_slices: int = 20) -> Run:
+    """Advance a run through the real engine until it stops being claimable."""
+    for _ in range(max_slices):
+        if engine.advance(run_id, worker=worker) == "not_claimed":
+            break
+    return Run.objects.get(id=run_id)
