@@ -13,6 +13,7 @@ import hashlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from functools import partial
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -124,7 +125,7 @@ def checkpoint(
 ) -> Iterator[Checkpoint]:
     """Lock the run and append events atomically. With ``fence`` the caller must hold the
     lease: any mismatch raises ``LeaseLost`` and nothing is written."""
-    with transaction.atomic():
+    with transaction.atomic(savepoint=False):
         query = Run.objects.select_for_update().only(*_LOCKED_FIELDS).filter(id=run_id)
         if fence is not None:
             query = query.filter(fence=fence)
@@ -136,8 +137,9 @@ def checkpoint(
         cp = Checkpoint(run=run, actor=actor, channel=channel, fence=fence)
         yield cp
         _write(cp, renew_lease=renew_lease)
-    for name in cp.boundaries:
-        faults.crash_point(name)
+        for name in cp.boundaries:
+            # fires right after the commit that contains the boundary (also when nested)
+            transaction.on_commit(partial(faults.crash_point, name))
 
 
 def _write(cp: Checkpoint, *, renew_lease: bool) -> None:
