@@ -14,7 +14,12 @@ ROLE_PERMISSIONS: dict[str, list[str]] = {
         "runs.resolve_toolcall",
         "approvals.view_approval",
     ],
-    "approver": ["runs.view_run", "runs.view_toolcall", "approvals.view_approval", "approvals.decide_approval"],
+    "approver": [
+        "runs.view_run",
+        "runs.view_toolcall",
+        "approvals.view_approval",
+        "approvals.decide_approval",
+    ],
     "auditor": [
         "runs.view_run",
         "runs.view_step",
@@ -49,5 +54,7 @@ def sync_roles(apps) -> None:
         group, _ = Group.objects.get_or_create(name=role)
         for perm in perms:
             app_label, codename = perm.split(".")
-            permission = Permission.objects.get(content_type__app_label=app_label, codename=codename)
+            permission = Permission.objects.get(
+                content_type__app_label=app_label, codename=codename
+            )
             group.permissions.add(permission)

@@ -13,9 +13,9 @@ import hashlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from django.conf import settings
