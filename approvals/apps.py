@@ -11,3 +11,8 @@ class ApprovalsConfig(AppConfig):
         from runs.gate import register_gate
 
         register_gate(ApprovalsGate())
+
+        from approvals.services import approvals_expire_due
+        from runs.sweeper import register_sweep_hook
+
+        register_sweep_hook(approvals_expire_due)

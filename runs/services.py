@@ -97,7 +97,9 @@ def run_create(
     return run
 
 
-def apply_terminate(cp: Checkpoint, *, by: str, reason: str) -> None:
+def apply_terminate(
+    cp: Checkpoint, *, by: str, reason: str, reason_code: str = Run.Reason.OPERATOR_TERMINATED
+) -> None:
     """Terminate inside an open checkpoint: cancel every call that was not dispatched,
     fail the open step, release the lease. Calls already dispatched keep their status
     (an unknown outcome stays visible)."""
@@ -108,7 +110,9 @@ def apply_terminate(cp: Checkpoint, *, by: str, reason: str) -> None:
         ToolCall.Status.AWAITING_APPROVAL,
         ToolCall.Status.APPROVED,
     )
-    for call in ToolCall.objects.filter(run_id=run_id, status__in=undispatched):
+    for call in ToolCall.objects.select_related("step").filter(
+        run_id=run_id, status__in=undispatched
+    ):
         gate.cancel(cp=cp, call=call, reason="run_terminated")
         call.status = ToolCall.Status.CANCELLED
         call.save(update_fields=["status", "updated_at"])
@@ -119,7 +123,7 @@ def apply_terminate(cp: Checkpoint, *, by: str, reason: str) -> None:
     cp.event("run.terminated", by=by, reason=reason)
     cp.update(
         status=Run.Status.TERMINATED,
-        reason_code=Run.Reason.OPERATOR_TERMINATED,
+        reason_code=reason_code,
         reason_detail=reason,
         finished_at=Now(),
         lease_owner="",
