@@ -447,7 +447,7 @@ def _continue_step(lease: Lease, step: Step) -> str:
         _mark_unknown(
             lease, call, f"left in dispatching by incarnation {call.dispatch_incarnation}"
         )
-        return _reconcile(lease, step, call, tool)
+        return _reconcile(lease, step, call, tool, interrupted=True)
     if status == ToolCall.Status.UNKNOWN:
         return _reconcile(lease, step, call, tool)
     # succeeded / failed with a receipt but the step still open
@@ -528,6 +528,7 @@ def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
                 attempt_count=call.attempt_count,
                 dispatched_at=call.dispatched_at,
                 dispatch_incarnation=call.dispatch_incarnation,
+                reconcile_attempts=call.reconcile_attempts,
                 updated_at=timezone.now(),
             )
             if updated != 1:
@@ -712,15 +713,22 @@ def _mark_unknown(lease: Lease, call: ToolCall, error: str) -> None:
         )
 
 
-def _reconcile(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
-    """Decide an unknown outcome without ever repeating a side effect that may have happened."""
+def _reconcile(
+    lease: Lease, step: Step, call: ToolCall, tool: Tool, *, interrupted: bool = False
+) -> str:
+    """Decide an unknown outcome without ever repeating a side effect that may have happened.
+    ``interrupted``: the call was left in dispatching by a process that died."""
     if tool.effect == Effect.READ:
-        if call.attempt_count >= _conf("READ_MAX_ATTEMPTS"):
-            _fail_step(
-                lease, step, f"read tool failed {call.attempt_count} times: {call.last_error}"
-            )
+        # No side effect: simply call it again. Only outcomes seen to be unknown count toward
+        # READ_MAX_ATTEMPTS: an attempt cut short by a crash says nothing about the tool (a
+        # crash loop ends at MAX_RECOVERIES). The count is written with the re-dispatch, so
+        # a crash between the two cannot count one failure twice.
+        failures = call.reconcile_attempts + (0 if interrupted else 1)
+        if failures >= _conf("READ_MAX_ATTEMPTS"):
+            _fail_step(lease, step, f"read tool failed {failures} times: {call.last_error}")
             return Outcome.CONTINUE
-        return _dispatch(lease, step, call, tool)  # no side effect: simply call again
+        call.reconcile_attempts = failures
+        return _dispatch(lease, step, call, tool)
     if tool.effect == Effect.UNSAFE:
         _park_needs_attention(
             lease,

@@ -77,6 +77,10 @@ class Checkpoint:
     boundaries: list[str] = field(default_factory=list)
 
     def event(self, type: str, **payload: Any) -> None:
+        # Stored as JSON: reduce to JSON values now (a Decimal budget, a UUID, a datetime
+        # become strings) so the insert cannot fail and the digest hashed is the digest of
+        # what an auditor reads back.
+        payload = json.loads(json.dumps(payload, default=str))
         self.events.append(
             RunEvent(
                 run_id=self.run.id,

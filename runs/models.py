@@ -11,6 +11,7 @@ import uuid
 from django.conf import settings
 from django.db import models
 from django.db.models import Q
+from django.utils import timezone
 
 
 class Run(models.Model):
@@ -243,8 +244,19 @@ class AppendOnlyError(Exception):
     pass
 
 
+class RunEventQuerySet(models.QuerySet):
+    # The instance guard below does not cover bulk paths: QuerySet.update() and a fast
+    # QuerySet.delete() issue SQL without calling save()/delete() (admin bulk actions,
+    # a shell one-liner), so the queryset refuses them too.
+    def update(self, **kwargs):
+        raise AppendOnlyError("run events are append-only")
+
+    def delete(self):
+        raise AppendOnlyError("run events are append-only")
+
+
 class RunEvent(models.Model):
-    """Append-only: appended only through ``runs.events.events_append``."""
+    """Append-only: appended only through ``runs.events.checkpoint``."""
 
     class Channel(models.TextChoices):
         WEB = "web"
@@ -256,7 +268,9 @@ class RunEvent(models.Model):
 
     run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="events")
     seq = models.PositiveBigIntegerField()
-    created_at = models.DateTimeField(auto_now_add=True)
+    # Set by checkpoint() and covered by the event's hash, so the stored value must be the
+    # hashed one: auto_now_add would replace it at insert and no chain would verify.
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
     type = models.CharField(max_length=50)
     actor = models.CharField(max_length=200)
     channel = models.CharField(max_length=20, choices=Channel.choices)
@@ -267,6 +281,8 @@ class RunEvent(models.Model):
     payload_digest = models.CharField(max_length=64)
     prev_hash = models.CharField(max_length=64)
     hash = models.CharField(max_length=64)
+
+    objects = RunEventQuerySet.as_manager()
 
     class Meta:
         ordering = ["run", "seq"]

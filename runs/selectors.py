@@ -2,10 +2,38 @@
 
 from __future__ import annotations
 
-from django.db.models import QuerySet
+from django.db.models import Count, QuerySet
 
 from runs.models import Run
 
+# what the runs list shows; nothing else is loaded (state, input and result can be large)
+_LIST_FIELDS = (
+    "id",
+    "agent_name",
+    "agent_version",
+    "goal",
+    "status",
+    "reason_code",
+    "steps_used",
+    "max_steps",
+    "recovery_count",
+    "created_at",
+    "updated_at",
+)
 
-def run_list(*, limit: int = 100) -> QuerySet[Run]:
-    return Run.objects.select_related("principal").order_by("-created_at")[:limit]
+
+def run_list(*, status: str | None = None, limit: int = 100) -> QuerySet[Run]:
+    """The most recent runs, newest first, optionally only those in one status."""
+    runs = Run.objects.only(*_LIST_FIELDS).order_by("-created_at")
+    if status:
+        runs = runs.filter(status=status)
+    return runs[:limit]
+
+
+def run_status_counts() -> dict[str, int]:
+    """How many runs are in each status (every status present, zeros included): one query."""
+    counts = dict.fromkeys(Run.Status.values, 0)
+    rows = Run.objects.order_by().values_list("status").annotate(n=Count("id"))
+    for status, n in rows:
+        counts[status] = n
+    return counts

@@ -117,6 +117,21 @@ def apply_terminate(
         call.status = ToolCall.Status.CANCELLED
         call.save(update_fields=["status", "updated_at"])
         cp.event("tool.cancelled", seq=call.step.seq, tool=call.tool_name, reason="run_terminated")
+    # Terminated with no live lease holder: a call its dead holder left in flight may or may
+    # not have acted. It stays visible as an unknown outcome for a person, never "dispatching".
+    for call in ToolCall.objects.select_related("step").filter(
+        run_id=run_id, status=ToolCall.Status.DISPATCHING
+    ):
+        call.status = ToolCall.Status.UNKNOWN
+        call.last_error = "left in dispatching when the run was terminated"
+        call.save(update_fields=["status", "last_error", "updated_at"])
+        cp.event(
+            "tool.unknown",
+            seq=call.step.seq,
+            tool=call.tool_name,
+            idempotency_key=call.idempotency_key,
+            error=call.last_error,
+        )
     Step.objects.filter(run_id=run_id, status=Step.Status.PENDING).update(
         status=Step.Status.FAILED, error="run terminated", completed_at=timezone.now()
     )

@@ -70,3 +70,49 @@ def drive(run_id, *, worker: str = "test-worker", max_slices: int = 20) -> Run:
         if engine.advance(run_id, worker=worker) == "not_claimed":
             break
     return Run.objects.get(id=run_id)
+
+
+@pytest.fixture
+def register():
+    """Register test-only agents and tools; they are unregistered after the test. A name
+    that is already registered (a demo agent or tool) is refused rather than shadowed."""
+    from runs.registry import Tool, registry
+
+    agents: list[str] = []
+    tools: list[str] = []
+
+    def _register(*items):
+        for item in items:
+            if isinstance(item, Tool):
+                assert item.name not in {t.name for t in registry.tools()}, item.name
+                registry.register_tool(item)
+                tools.append(item.name)
+            else:
+                assert item.name not in {a.name for a in registry.agents()}, item.name
+                registry.register_agent(item)
+                agents.append(item.name)
+        return items[0] if len(items) == 1 else items
+
+    yield _register
+    for name in agents:
+        registry.unregister_agent(name)
+    for name in tools:
+        registry.unregister_tool(name)
+
+
+@pytest.fixture
+def roles():
+    """The role groups, also in ``transaction=True`` tests: the flush after such a test
+    empties every table, and the groups come from a data migration that does not run again.
+    Request it before the user fixtures (``usefixtures`` does)."""
+    from django.contrib.auth.models import Group, Permission
+
+    from approvals.roles import ROLE_PERMISSIONS
+
+    for role, perms in ROLE_PERMISSIONS.items():
+        group, _ = Group.objects.get_or_create(name=role)
+        for perm in perms:
+            app_label, codename = perm.split(".")
+            group.permissions.add(
+                Permission.objects.get(content_type__app_label=app_label, codename=codename)
+            )

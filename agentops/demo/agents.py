@@ -51,7 +51,7 @@ class RefundAgent(Agent):
                     "order_id": order_id,
                     "amount_cents": amount,
                     "reason": ctx.input.get("reason", ""),
-                    "customer_email": f"{order['customer']}@example.com",
+                    "customer_email": order["customer"],
                 },
             )
         if tool == "refund_payment":
@@ -95,7 +95,7 @@ class FollowUpAgent(Agent):
             return CallTool(
                 "send_notification",
                 {
-                    "to": f"{customer}@example.com",
+                    "to": customer,
                     "subject": f"About your order {ctx.input['order_id']}",
                     "body": ctx.input["message"],
                 },

@@ -1,0 +1,810 @@
+"""``python manage.py chaos``: the crash harness (issue 2, item 9).
+
+It starts the sandbox payments service in its NON-deduplicating mode (only the engine's
+discipline prevents a double refund there) and real ``runworker`` processes against the
+configured database, creates demo refund runs, decides their approvals like a person would,
+and SIGKILLs worker process groups: once at every checkpoint boundary (a worker restarted
+with ``AGENTOPS_CRASH_AT=<boundary>`` kills its own group right after that commit), then at
+random moments. Killed workers are restarted without the variable. When every run is
+terminal it checks the invariants against the sandbox's refund table and the record, and
+prints one JSON object as its last line. Exit status 1 when an invariant fails.
+
+A kill counts in ``boundaries_killed`` only when it is proven: the worker died of SIGKILL
+(return code -9) at that boundary, and a run it held then shows a ``run.claimed`` event with
+``recovered: true``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, deque
+from contextlib import suppress
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError
+from django.db import DatabaseError, connection, transaction
+
+from runs.faults import BOUNDARIES
+
+# Worker settings for a harness that kills every few seconds: short leases and polls so a
+# recovery takes seconds. MAX_RECOVERIES is raised because chaos recovers the same run far
+# more often than production ever should; the limit itself is tested elsewhere.
+WORKER_DEFAULTS = {
+    "AGENTOPS_LEASE_TTL": "3",
+    "AGENTOPS_SWEEP_INTERVAL": "0.2",
+    "AGENTOPS_REQUEUE_AFTER": "1.5",
+    "AGENTOPS_RECONCILE_BACKOFF": "0.2",
+    "AGENTOPS_REDISPATCH_MARGIN": "0.5",
+    "AGENTOPS_WORKER_STALE_AFTER": "3",
+    "AGENTOPS_CANARY_INTERVAL": "1",
+    "AGENTOPS_FROZEN_AFTER": "10",
+    "AGENTOPS_Q_POLL": "0.05",
+    "AGENTOPS_Q_TIMEOUT": "60",
+    "AGENTOPS_Q_RETRY": "90",
+    "AGENTOPS_Q_WORKERS": "4",
+    "AGENTOPS_SLICE_SECONDS": "20",
+    "AGENTOPS_MAX_RECOVERIES": "1000",
+    "LOG_LEVEL": "WARNING",
+}
+
+# The order of the boundary kills. After approval_requested and run_finished the dying run
+# itself holds no lease, so they are proven through another run the worker held: they go
+# first, while many runs are in flight; the rest follow a run's life.
+KILL_ORDER = (
+    "approval_requested",
+    "run_finished",
+    "claimed",
+    "decided",
+    "dispatching",
+    "tool_call",
+    "receipt_recorded",
+    "step_completed",
+)
+assert sorted(KILL_ORDER) == sorted(BOUNDARIES)
+
+APPROVER_USERNAME = "chaos-approver"
+REFUND_THRESHOLD_CENTS = 10_000  # agentops.demo.tools.REFUND_APPROVAL_THRESHOLD_CENTS
+# refunds take this long in the sandbox, so that kills land while calls are in flight
+REFUND_LATENCY_MS = 300
+# one attempt to reach a boundary; a reconciliation may park a run for tool timeout + margin
+ATTEMPT_SECONDS = 20.0
+ATTEMPTS_PER_BOUNDARY = 4
+POLL = 0.02
+
+
+class _Interrupted(BaseException):
+    """SIGINT or SIGTERM: stop everything, clean up, report."""
+
+
+@dataclass
+class WorkerProcess:
+    slot: int
+    name: str
+    crash_at: str | None
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    @property
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 8) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+
+@dataclass
+class Kill:
+    worker: str
+    boundary: str | None  # None: a kill at a random moment
+    at: datetime
+    returncode: int | None
+    affected: list[Any]
+    recovered_after: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def sigkilled(self) -> bool:
+        return self.returncode == -signal.SIGKILL
+
+    @property
+    def proven(self) -> bool:
+        return self.sigkilled and bool(self.recovered_after)
+
+
+@dataclass
+class Options:
+    runs: int
+    random_kills: int
+    boundaries: list[str]
+    workers: int
+    timeout: float
+    seed: int
+
+
+def parse_boundaries(value: str) -> list[str]:
+    value = value.strip()
+    if value == "all":
+        return list(BOUNDARIES)
+    if value == "none":
+        return []
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    if not names:
+        raise CommandError("--boundaries: expected 'all', 'none' or a comma-separated list")
+    unknown = [name for name in names if name not in BOUNDARIES]
+    if unknown:
+        raise CommandError(
+            f"--boundaries: unknown boundary {unknown[0]!r} "
+            f"(expected all, none or some of: {', '.join(BOUNDARIES)})"
+        )
+    return list(dict.fromkeys(names))
+
+
+def database_url() -> str:
+    """The URL of the database this process uses, for the worker subprocesses. Built from
+    the live connection settings, so under pytest it names the test database."""
+    db = connection.settings_dict
+    engine = db["ENGINE"]
+    if engine == "django.db.backends.sqlite3":
+        name = str(db["NAME"])
+        if name == ":memory:" or name.startswith("file:") or "mode=memory" in name:
+            raise CommandError(
+                "chaos needs a database file or server: worker processes cannot share "
+                "an in-memory SQLite database"
+            )
+        return "sqlite:///" + str(Path(name).resolve())
+    if engine == "django.db.backends.postgresql":
+        env_url = os.environ.get("DATABASE_URL", "")
+        if env_url:
+            import dj_database_url
+
+            with suppress(Exception):
+                parsed = dj_database_url.parse(env_url)
+                if parsed.get("NAME") == db["NAME"]:
+                    return env_url  # keeps any query options (sslmode, ...)
+        auth = quote(str(db.get("USER") or ""), safe="")
+        if db.get("PASSWORD"):
+            auth += ":" + quote(str(db["PASSWORD"]), safe="")
+        host = str(db.get("HOST") or "")
+        port = f":{db['PORT']}" if db.get("PORT") else ""
+        return f"postgres://{auth}{'@' if auth else ''}{host}{port}/{quote(str(db['NAME']))}"
+    raise CommandError(f"chaos does not support the database engine {engine}")
+
+
+def plan_refunds(count: int, rng: random.Random) -> list[dict[str, Any]]:
+    """``count`` refund inputs over the sandbox's seeded orders: every third one above the
+    approval threshold (the first among them, so even one run passes every boundary), and
+    never more per order than the order can refund across all runs."""
+    from agentops.demo.sandbox import SEED_ORDERS
+
+    orders = [order_id for order_id, _, _ in SEED_ORDERS]
+    remaining = {order_id: amount for order_id, _, amount in SEED_ORDERS}
+    plans: list[dict[str, Any]] = []
+    for index in range(count):
+        amount = 0
+        large = index % 3 == 0
+        if large:
+            order_id = max(orders, key=lambda o: remaining[o])
+            amount = REFUND_THRESHOLD_CENTS + 1 + rng.randrange(2_000)
+            if amount > remaining[order_id]:
+                large, amount = False, 0
+        if not large:
+            order_id = orders[index % len(orders)]
+            amount = min(100 + rng.randrange(900), remaining[order_id] // 4)
+            if amount < 1:
+                order_id = max(orders, key=lambda o: remaining[o])
+                amount = min(100, remaining[order_id])
+        if amount < 1:
+            raise CommandError(f"--runs {count}: the sandbox's orders cannot fund so many refunds")
+        remaining[order_id] -= amount
+        kind = "large" if large else "small"
+        plans.append(
+            {
+                "order_id": order_id,
+                "amount_cents": amount,
+                "reason": f"chaos {kind} refund {index + 1}",
+            }
+        )
+    return plans
+
+
+class Command(BaseCommand):
+    help = (
+        "Crash harness: real workers SIGKILLed at every checkpoint boundary and at random "
+        "moments; checks that no refund happened twice, no run was lost and no approval was "
+        "used twice. Prints a JSON summary as its last line; exit status 1 on a violation."
+    )
+
+    def add_arguments(self, parser):
+        parser.add_argument("--runs", type=int, default=20, help="demo refund runs (default 20)")
+        parser.add_argument(
+            "--random-kills", type=int, default=10, help="kills at random moments (default 10)"
+        )
+        parser.add_argument(
+            "--boundaries",
+            default="all",
+            help=f"all, none, or a comma-separated list of: {', '.join(BOUNDARIES)}",
+        )
+        parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
+        parser.add_argument(
+            "--timeout", type=float, default=300.0, help="give up after this many seconds"
+        )
+        parser.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+
+    def handle(self, *args, **options):
+        self.verbosity = options["verbosity"]
+        opts = self._options(options)
+        self._check_database()
+        harness = Harness(opts, out=self._progress)
+        previous = {
+            sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        }
+
+        def interrupt(signum, frame):
+            raise _Interrupted(signal.Signals(signum).name)
+
+        for sig in previous:
+            signal.signal(sig, interrupt)
+        interrupted = ""
+        try:
+            try:
+                harness.run()
+            except _Interrupted as exc:
+                interrupted = str(exc) or "interrupted"
+            finally:
+                # a second Ctrl-C must not cut the clean-up short
+                for sig in previous:
+                    signal.signal(sig, signal.SIG_IGN)
+                harness.cleanup()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if interrupted:
+            raise CommandError(
+                f"chaos: {interrupted}: stopped the sandbox and all workers", returncode=130
+            )
+        report, problems = harness.report()
+        self.stdout.write(json.dumps(report))
+        self.stdout.flush()
+        if problems:
+            raise CommandError("chaos: " + "; ".join(problems), returncode=1)
+
+    def _progress(self, message: str) -> None:
+        if self.verbosity >= 1:
+            self.stdout.write(f"chaos: {message}")
+            self.stdout.flush()
+
+    def _options(self, options) -> Options:
+        runs, kills, workers = options["runs"], options["random_kills"], options["workers"]
+        timeout = options["timeout"]
+        if not 1 <= runs <= 500:
+            raise CommandError(f"--runs must be between 1 and 500, not {runs}")
+        if not 0 <= kills <= 1000:
+            raise CommandError(f"--random-kills must be between 0 and 1000, not {kills}")
+        if not 1 <= workers <= 16:
+            raise CommandError(f"--workers must be between 1 and 16, not {workers}")
+        if not timeout > 0:
+            raise CommandError(f"--timeout must be a positive number of seconds, not {timeout}")
+        seed = options["seed"] if options["seed"] is not None else random.randrange(1 << 30)
+        return Options(
+            runs=runs,
+            random_kills=kills,
+            boundaries=parse_boundaries(options["boundaries"]),
+            workers=workers,
+            timeout=timeout,
+            seed=seed,
+        )
+
+    def _check_database(self) -> None:
+        from runs.models import Run, Worker
+        from runs.workers import _pid_alive
+
+        try:
+            Run.objects.exists()
+            others = list(
+                Worker.objects.exclude(health=Worker.Health.STOPPED).values_list(
+                    "name", "host", "pid", "heartbeat_at"
+                )
+            )
+            from runs.dbtime import db_now
+
+            now = db_now()
+        except DatabaseError as exc:
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise CommandError(
+                f"cannot use the database ({first}); is it reachable and migrated "
+                "(python manage.py migrate)?"
+            ) from None
+        import socket
+
+        stale = settings.AGENTOPS["WORKER_STALE_AFTER"]
+        alive = [
+            name
+            for name, host, pid, heartbeat in others
+            if (now - heartbeat).total_seconds() < stale
+            and (host != socket.gethostname() or _pid_alive(pid))
+        ]
+        if alive:
+            raise CommandError(
+                f"other workers are running against this database ({', '.join(sorted(alive))}): "
+                "they would advance chaos runs without the sandbox; stop them or point "
+                "DATABASE_URL at another database"
+            )
+
+
+class Harness:
+    def __init__(self, opts: Options, *, out) -> None:
+        self.opts = opts
+        self.out = out
+        self.rng = random.Random(opts.seed)
+        self.started = time.monotonic()
+        self.deadline = self.started + opts.timeout
+        self.tag = f"chaos-{os.urandom(3).hex()}"  # unique per invocation, whatever the seed
+        self.tmp = Path(tempfile.mkdtemp(prefix="agentops-chaos-"))
+        self.sandbox = None
+        self.workers: dict[int, WorkerProcess] = {}
+        self.incarnations: Counter[int] = Counter()
+        self.run_ids: list[Any] = []
+        self.kills: list[Kill] = []
+        self.approval_seen: dict[Any, float] = {}
+        self.approver = None
+        self.timed_out = False
+        self.unreached: list[str] = []
+        self.notes: list[str] = []
+        self.keep_logs = False
+        self.refunds: list[dict[str, Any]] = []
+
+    # --- setup ------------------------------------------------------------------------------
+
+    def run(self) -> None:
+        from agentops.demo.sandbox import start_sandbox
+
+        opts = self.opts
+        self.db_url = database_url()
+        self.sandbox = start_sandbox(str(self.tmp / "sandbox.sqlite3"), mode="nodedupe")
+        self.out(
+            f"seed {opts.seed}; sandbox (nodedupe) at {self.sandbox.url}; database "
+            f"{connection.vendor}; {opts.workers} workers; logs in {self.tmp}"
+        )
+        self._sandbox("POST", "/faults", json={"latency_ms": REFUND_LATENCY_MS})
+        self.approver = self._approver()
+        self._create_runs()
+        try:
+            self._boundary_phase()
+            self._random_phase()
+            self._drain()
+        except _Timeout:
+            self.timed_out = True
+            self.notes.append(f"timed out after {self.opts.timeout:.0f}s")
+        # the sandbox's own record of what really happened, read before it stops
+        self.refunds = self._sandbox("GET", "/refunds/all")["refunds"]
+
+    def _sandbox(self, method: str, path: str, **kwargs) -> Any:
+        response = httpx.request(method, self.sandbox.url + path, timeout=10, **kwargs)
+        response.raise_for_status()
+        return response.json()
+
+    def _approver(self):
+        from django.contrib.auth import get_user_model
+        from django.contrib.auth.models import Group, Permission
+
+        from approvals.roles import ROLE_PERMISSIONS
+
+        with transaction.atomic():
+            group, _ = Group.objects.get_or_create(name="approver")
+            for perm in ROLE_PERMISSIONS["approver"]:
+                app_label, codename = perm.split(".")
+                group.permissions.add(
+                    Permission.objects.get(content_type__app_label=app_label, codename=codename)
+                )
+            user, created = get_user_model().objects.get_or_create(
+                username=APPROVER_USERNAME, defaults={"is_active": True}
+            )
+            if created:
+                user.set_unusable_password()
+                user.save(update_fields=["password"])
+            user.groups.add(group)
+        return get_user_model().objects.get(pk=user.pk)  # fresh permission cache
+
+    def _create_runs(self) -> None:
+        from runs.actors import Actor
+        from runs.services import run_create
+
+        actor = Actor.system("cli")
+        plans = plan_refunds(self.opts.runs, self.rng)
+        for index, plan in enumerate(plans):
+            run = run_create(
+                agent_name="refund",
+                goal=f"{self.tag} refund {index + 1}: {plan['order_id']}",
+                input=plan,
+                actor=actor,
+            )
+            self.run_ids.append(run.id)
+        large = sum(1 for plan in plans if plan["amount_cents"] > REFUND_THRESHOLD_CENTS)
+        self.out(f"created {len(plans)} refund runs ({large} need an approval)")
+
+    # --- workers ----------------------------------------------------------------------------
+
+    def _worker_env(self, crash_at: str | None) -> dict[str, str]:
+        env = dict(os.environ)
+        for key, value in WORKER_DEFAULTS.items():
+            env.setdefault(key, value)
+        env.update(
+            {
+                "DATABASE_URL": self.db_url,
+                "DJANGO_SETTINGS_MODULE": os.environ.get(
+                    "DJANGO_SETTINGS_MODULE", "agentops.settings"
+                ),
+                "AGENTOPS_SANDBOX_URL": self.sandbox.url,
+                "PYTHONUNBUFFERED": "1",
+            }
+        )
+        env.pop("AGENTOPS_CRASH_AT", None)
+        if crash_at:
+            env["AGENTOPS_CRASH_AT"] = crash_at
+        return env
+
+    def _start(self, slot: int, crash_at: str | None = None) -> WorkerProcess:
+        self.incarnations[slot] += 1
+        name = f"{self.tag}-w{slot}"
+        log_path = self.tmp / f"w{slot}.{self.incarnations[slot]}.log"
+        with open(log_path, "wb") as log:
+            process = subprocess.Popen(
+                [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "runworker"]
+                + ["--name", name],
+                cwd=settings.BASE_DIR,
+                env=self._worker_env(crash_at),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: we kill the whole group
+            )
+        worker = WorkerProcess(slot, name, crash_at, process, log_path)
+        self.workers[slot] = worker
+        return worker
+
+    def _affected(self, name: str) -> list[Any]:
+        """Runs the dead worker held: still marked running under its name."""
+        from runs.models import Run
+
+        return list(
+            Run.objects.filter(
+                id__in=self.run_ids, lease_owner=name, status=Run.Status.RUNNING
+            ).values_list("id", flat=True)
+        )
+
+    def _kill(self, worker: WorkerProcess) -> Kill:
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.process.pid, signal.SIGKILL)
+        worker.process.wait()
+        return self._record_kill(worker, None)
+
+    def _record_kill(self, worker: WorkerProcess, boundary: str | None) -> Kill:
+        kill = Kill(
+            worker=worker.name,
+            boundary=boundary,
+            at=datetime.now(UTC),
+            returncode=worker.process.returncode,
+            affected=self._affected(worker.name),
+        )
+        self.kills.append(kill)
+        return kill
+
+    def _stop(self, worker: WorkerProcess, grace: float = 15.0) -> None:
+        """SIGTERM to the main process only (django-q2 hangs on a group SIGTERM)."""
+        if worker.alive:
+            with suppress(ProcessLookupError):
+                worker.process.send_signal(signal.SIGTERM)
+            end = time.monotonic() + grace
+            while worker.alive and time.monotonic() < end:
+                time.sleep(POLL)
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.process.pid, signal.SIGKILL)
+        worker.process.wait()
+
+    # --- the loop's chores --------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise _Timeout
+        self._approve_due()
+        for slot, worker in list(self.workers.items()):
+            if worker.crash_at is None and not worker.alive:
+                # an ordinary worker died on its own: that is a finding, and it is restarted
+                self.keep_logs = True
+                self.notes.append(
+                    f"worker {worker.name} exited on its own with {worker.process.returncode}"
+                )
+                self.out(
+                    f"worker {worker.name} exited ({worker.process.returncode}):\n"
+                    f"{worker.log_tail()}"
+                )
+                self._start(slot)
+
+    def _sleep(self, seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while True:
+            self._tick()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(0.05, left))
+
+    def _approve_due(self) -> None:
+        """The approver: decides each pending approval after a person's moment of thought,
+        through the same service the pages and email links use."""
+        from approvals.models import Approval
+        from approvals.services import AlreadyDecided, ApprovalExpired, approval_decide
+        from runs.actors import Actor
+
+        now = time.monotonic()
+        pending = Approval.objects.filter(
+            run_id__in=self.run_ids, status=Approval.Status.PENDING
+        ).values_list("id", flat=True)
+        for approval_id in pending:
+            first_seen = self.approval_seen.setdefault(
+                approval_id, now + self.rng.uniform(0.05, 0.5)
+            )
+            if now < first_seen:
+                continue
+            with suppress(AlreadyDecided, ApprovalExpired):
+                approval_decide(
+                    approval_id=approval_id,
+                    decision="approve",
+                    actor=Actor.for_user(self.approver, "cli"),
+                    comment="approved by the chaos harness",
+                )
+
+    def _all_terminal(self) -> bool:
+        from runs.models import Run
+
+        return not Run.objects.filter(id__in=self.run_ids).exclude(status__in=Run.TERMINAL).exists()
+
+    # --- phases ---------------------------------------------------------------------------------
+
+    def _boundary_phase(self) -> None:
+        """One worker at a time, restarted with AGENTOPS_CRASH_AT for each boundary in turn.
+        It alone advances the runs, so it reaches the boundary soon; a kill that cannot be
+        proven (the worker held no run then) is tried again."""
+        # Boundaries that can only be proven while the dying worker holds ANOTHER run (its
+        # own run has released the lease) go first, while every run is still in flight.
+        pending = deque(sorted(self.opts.boundaries, key=KILL_ORDER.index))
+        attempts: Counter[str] = Counter()
+        while pending:
+            if self._all_terminal():
+                self.unreached.extend(pending)
+                break
+            boundary = pending.popleft()
+            attempts[boundary] += 1
+            worker = self._start(0, crash_at=boundary)
+            end = time.monotonic() + ATTEMPT_SECONDS
+            while worker.alive and time.monotonic() < end:
+                self._tick()
+                time.sleep(POLL)
+            if worker.alive:
+                self._stop(worker)
+                self.out(f"no run reached {boundary} within {ATTEMPT_SECONDS:.0f}s")
+                if attempts[boundary] < 2:
+                    pending.append(boundary)
+                else:
+                    self.unreached.append(boundary)
+                continue
+            kill = self._record_kill(worker, boundary)
+            crashed_here = f"killing process group at {boundary}" in worker.log()
+            self.out(
+                f"{worker.name} died at {boundary} (exit {kill.returncode}); "
+                f"held {len(kill.affected)} run(s)"
+            )
+            if not crashed_here or not kill.sigkilled:
+                kill.boundary = None  # died, but not provably at this boundary
+                self.keep_logs = True
+                self.notes.append(f"{worker.name} died at {boundary} unexpectedly")
+                self.out(worker.log_tail())
+            if (not kill.affected or kill.boundary is None) and attempts[
+                boundary
+            ] < ATTEMPTS_PER_BOUNDARY:
+                pending.append(boundary)
+            elif not kill.affected or kill.boundary is None:
+                self.unreached.append(boundary)
+
+    def _random_phase(self) -> None:
+        for slot in range(self.opts.workers):
+            if slot not in self.workers or not self.workers[slot].alive:
+                self._start(slot)
+        for number in range(self.opts.random_kills):
+            self._sleep(self.rng.uniform(0.3, 1.5))
+            slot = self.rng.choice(sorted(self.workers))
+            worker = self.workers[slot]
+            kill = self._kill(worker)
+            self.out(
+                f"random kill {number + 1}/{self.opts.random_kills}: {worker.name} "
+                f"(exit {kill.returncode}); held {len(kill.affected)} run(s)"
+            )
+            self._start(slot)
+
+    def _drain(self) -> None:
+        for slot in range(self.opts.workers):
+            if slot not in self.workers or not self.workers[slot].alive:
+                self._start(slot)
+        while not self._all_terminal():
+            self._sleep(0.1)
+        self.out("every run is terminal")
+
+    # --- the verdict --------------------------------------------------------------------------
+
+    def _recoveries(self) -> None:
+        from runs.models import RunEvent
+
+        for kill in self.kills:
+            if not kill.affected:
+                continue
+            claims = (
+                RunEvent.objects.filter(
+                    run_id__in=kill.affected,
+                    type="run.claimed",
+                    created_at__gte=kill.at,
+                    payload__recovered=True,
+                )
+                .order_by("created_at")
+                .values_list("run_id", "created_at")
+            )
+            for run_id, created_at in claims:
+                kill.recovered_after.setdefault(str(run_id), (created_at - kill.at).total_seconds())
+
+    def report(self) -> tuple[dict[str, Any], list[str]]:
+        from approvals.models import Approval
+        from runs.models import Run, RunEvent, ToolReceipt
+
+        self._recoveries()
+        runs = {
+            str(run.id): run
+            for run in Run.objects.filter(id__in=self.run_ids).only(
+                "id", "status", "result", "root_run_id", "reason_code", "reason_detail"
+            )
+        }
+        refunds = self.refunds
+        per_key = Counter(refund["idempotency_key"] for refund in refunds)
+        keys_per_run: dict[str, set[str]] = {}
+        rows_per_run: Counter[str] = Counter()
+        for refund in refunds:
+            run_key = refund["idempotency_key"].rsplit(":", 1)[0]
+            keys_per_run.setdefault(run_key, set()).add(refund["idempotency_key"])
+            rows_per_run[run_key] += 1
+        duplicate_effects = sum(1 for count in per_key.values() if count > 1) + sum(
+            1 for run_id in runs if len(keys_per_run.get(run_id, ())) > 1
+        )
+
+        refund_receipts = set(
+            ToolReceipt.objects.filter(
+                tool_call__run_id__in=self.run_ids,
+                tool_call__tool_name="refund_payment",
+                outcome=ToolReceipt.Outcome.SUCCEEDED,
+            ).values_list("tool_call__run_id", flat=True)
+        )
+        refund_receipts = {str(run_id) for run_id in refund_receipts}
+        lost = []
+        for run_id, run in runs.items():
+            if run.status not in Run.TERMINAL:
+                lost.append((run_id, f"still {run.status} {run.reason_code}".strip()))
+            elif run.status == Run.Status.SUCCEEDED and (
+                run_id not in refund_receipts
+                or not (run.result or {}).get("refunded")
+                or rows_per_run[run_id] != 1
+            ):
+                lost.append((run_id, "succeeded without exactly one refund and its receipt"))
+
+        consumed_events = Counter(
+            (str(run_id), payload.get("seq"))
+            for run_id, payload in RunEvent.objects.filter(
+                run_id__in=self.run_ids, type="approval.consumed"
+            ).values_list("run_id", "payload")
+        )
+        consumed_rows = Counter(
+            Approval.objects.filter(run_id__in=self.run_ids, consumed_at__isnull=False).values_list(
+                "tool_call_id", flat=True
+            )
+        )
+        double_consumed = sum(1 for count in consumed_events.values() if count > 1) + sum(
+            1 for count in consumed_rows.values() if count > 1
+        )
+        approvals = Approval.objects.filter(run_id__in=self.run_ids).count()
+        unknown_keys = {
+            payload.get("idempotency_key")
+            for payload in RunEvent.objects.filter(
+                run_id__in=self.run_ids, type="tool.unknown"
+            ).values_list("payload", flat=True)
+        }
+
+        proven = {kill.boundary for kill in self.kills if kill.boundary and kill.proven}
+        boundaries_killed = [name for name in BOUNDARIES if name in proven]
+        recovery_times = [
+            seconds for kill in self.kills for seconds in kill.recovered_after.values()
+        ]
+        succeeded = sum(1 for run in runs.values() if run.status == Run.Status.SUCCEEDED)
+        missing = [name for name in self.opts.boundaries if name not in proven]
+        report = {
+            "runs": len(self.run_ids),
+            "succeeded": succeeded,
+            "kills": sum(1 for kill in self.kills if kill.sigkilled),
+            "boundaries_killed": boundaries_killed,
+            "duplicate_effects": duplicate_effects,
+            "lost_runs": len(lost),
+            "double_consumed_approvals": double_consumed,
+            "max_recovery_seconds": round(max(recovery_times), 2) if recovery_times else None,
+            "boundaries_missing": missing,
+            "approvals": approvals,
+            "refunds": len(refunds),
+            "unknown_outcomes": len(unknown_keys),
+            "database": connection.vendor,
+            "seed": self.opts.seed,
+            "elapsed_seconds": round(time.monotonic() - self.started, 1),
+        }
+        problems = []
+        if duplicate_effects:
+            problems.append(f"{duplicate_effects} duplicate side effect(s)")
+        if lost:
+            problems.append(
+                f"{len(lost)} lost run(s): "
+                + ", ".join(f"{run_id} ({why})" for run_id, why in lost[:5])
+            )
+        if double_consumed:
+            problems.append(f"{double_consumed} approval(s) consumed more than once")
+        failed = [
+            (run_id, f"{run.status}: {run.reason_detail or run.reason_code}")
+            for run_id, run in runs.items()
+            if run.status in (Run.Status.FAILED, Run.Status.TERMINATED)
+        ]
+        if failed:
+            # no kill should make a valid refund fail
+            problems.append(
+                f"{len(failed)} run(s) did not succeed: "
+                + ", ".join(f"{run_id} ({why})" for run_id, why in failed[:3])
+            )
+        problems.extend(self.notes)
+        if problems or missing:
+            self.keep_logs = True
+        if missing:
+            self.out(f"could not prove a kill at: {', '.join(missing)}")
+        if self.keep_logs:
+            self.out(f"worker logs kept in {self.tmp}")
+        return report, problems
+
+    # --- clean-up -----------------------------------------------------------------------------
+
+    def cleanup(self) -> None:
+        """Stop every child: SIGTERM to each worker's main process, then SIGKILL whatever of
+        its group is left; then the sandbox. Runs on every exit path, Ctrl-C included."""
+        for worker in self.workers.values():
+            if worker.alive:
+                with suppress(ProcessLookupError):
+                    worker.process.send_signal(signal.SIGTERM)
+        end = time.monotonic() + 10
+        while any(w.alive for w in self.workers.values()) and time.monotonic() < end:
+            time.sleep(POLL)
+        for worker in self.workers.values():
+            with suppress(ProcessLookupError, PermissionError):
+                os.killpg(worker.process.pid, signal.SIGKILL)
+            worker.process.wait()
+        if self.sandbox is not None:
+            self.sandbox.stop()
+        if not self.keep_logs:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+
+
+class _Timeout(Exception):
+    pass

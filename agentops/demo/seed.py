@@ -1,0 +1,104 @@
+"""Demo data for ``make run``: one sign-in for a person and a few runs to watch.
+
+The runs are created through ``runs.services.run_create`` like any other run, so the worker
+advances them exactly as it would real work.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Group
+from django.db import transaction
+
+from runs.actors import Actor
+from runs.models import Run
+from runs.services import run_create
+
+DEMO_USERNAME = "demo"
+DEMO_GROUPS = ("operator", "approver", "viewer")
+# The runs act as this service account, not as the demo person: an approver may not approve
+# an action taken in their own name, and the demo login should be able to approve.
+SERVICE_USERNAME = "demo-agent"
+
+# Orders that exist in the sandbox's seed data (agentops/demo/sandbox.py SEED_ORDERS).
+DEMO_RUNS: tuple[dict[str, Any], ...] = (
+    {
+        "agent_name": "refund",
+        "goal": "Refund a late delivery fee",
+        "input": {"order_id": "ord_1001", "amount_cents": 500, "reason": "late delivery"},
+    },
+    {
+        "agent_name": "refund",
+        "goal": "Refund a damaged item",
+        "input": {"order_id": "ord_1002", "amount_cents": 1500, "reason": "damaged item"},
+    },
+    {
+        "agent_name": "refund",
+        "goal": "Refund a duplicate charge",
+        "input": {"order_id": "ord_1005", "amount_cents": 799, "reason": "charged twice"},
+    },
+    {
+        "agent_name": "refund",
+        "goal": "Refund a cancelled order in full (above 100.00: needs an approver)",
+        "input": {"order_id": "ord_1004", "amount_cents": 250000, "reason": "order cancelled"},
+    },
+    {
+        "agent_name": "followup",
+        "goal": "Tell a customer their refund is on its way",
+        "input": {
+            "order_id": "ord_1003",
+            "message": "Your refund has been issued and should arrive within 5 days.",
+        },
+    },
+)
+
+
+@dataclass(frozen=True)
+class DemoLogin:
+    username: str
+    password: str | None  # only when it was created now: it is never shown again
+
+
+def demo_login_ensure() -> DemoLogin:
+    """Create the demo sign-in once (not a superuser: the roles' groups grant what it may
+    do). An existing one keeps its password."""
+    User = get_user_model()
+    with transaction.atomic():
+        user = User.objects.filter(username=DEMO_USERNAME).first()
+        password = None
+        if user is None:
+            password = secrets.token_urlsafe(12)
+            user = User.objects.create_user(username=DEMO_USERNAME, password=password)
+        groups = list(Group.objects.filter(name__in=DEMO_GROUPS))
+        if len(groups) != len(DEMO_GROUPS):
+            # the roles come from a data migration; without them the login could see nothing
+            raise LookupError(
+                f"the role groups {', '.join(DEMO_GROUPS)} are missing: run `manage.py migrate`"
+            )
+        user.groups.add(*groups)
+    return DemoLogin(username=DEMO_USERNAME, password=password)
+
+
+def demo_service_account_ensure() -> Any:
+    """The principal the demo runs act as: a service account nobody can sign in as."""
+    User = get_user_model()
+    with transaction.atomic():
+        account, created = User.objects.get_or_create(username=SERVICE_USERNAME)
+        if created:
+            account.set_unusable_password()
+            account.save(update_fields=["password"])
+            account.groups.add(*Group.objects.filter(name="operator"))
+    return account
+
+
+def demo_runs_seed(*, force: bool = False) -> list[Run]:
+    """Create the demo runs, unless runs exist already (``force`` creates them anyway)."""
+    if not force and Run.objects.exists():
+        return []
+    principal = demo_service_account_ensure()
+    actor = Actor.system("cli")
+    return [run_create(actor=actor, principal=principal, **spec) for spec in DEMO_RUNS]

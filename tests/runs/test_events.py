@@ -1,0 +1,185 @@
+"""The audit record: gap-free per-run sequence, a hash chain, and no rewriting of history."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from django.db import transaction
+
+from approvals.models import Approval
+from approvals.services import approval_decide
+from runs import engine
+from runs.actors import Actor
+from runs.events import anchor_hash, checkpoint, event_hash, payload_digest
+from runs.models import AppendOnlyError, Run, RunEvent
+from runs.registry import CallTool, Finish
+from runs.services import run_create, run_terminate
+from tests.conftest import drive
+from tests.support import CountingTool, ScriptedAgent, close_connection, make_tool
+
+pytestmark = pytest.mark.usefixtures("roles")
+
+
+def assert_intact(run_id) -> list[RunEvent]:
+    """What an auditor checks: seq 1..n without gaps, every event hashed over its own
+    fields and linked to the one before, the first anchored to the run, the run pointing
+    at the last."""
+    run = Run.objects.get(id=run_id)
+    chain = list(RunEvent.objects.filter(run_id=run_id).order_by("seq"))
+    assert [e.seq for e in chain] == list(range(1, len(chain) + 1))
+    previous = anchor_hash(run.id)
+    for event in chain:
+        assert event.prev_hash == previous, f"event {event.seq} does not link to {event.seq - 1}"
+        assert event.payload_digest == payload_digest(event.payload)
+        assert event.hash == event_hash(event), f"event {event.seq} does not match its hash"
+        previous = event.hash
+    assert (run.event_seq, run.last_event_hash) == (len(chain), previous)
+    return chain
+
+
+@pytest.mark.django_db
+def test_engine_and_service_writes_share_one_gap_free_chain(
+    sandbox, system_actor, approver, operator
+):
+    run = run_create(
+        agent_name="refund",
+        input={"order_id": "ord_1004", "amount_cents": 50_000},
+        actor=system_actor,
+    )
+    drive(run.id)  # engine: claimed, decided, approval requested
+    approval = Approval.objects.get(run=run)
+    approval_decide(  # service
+        approval_id=approval.id, decision="approve", actor=Actor.for_user(approver, "email")
+    )
+    drive(run.id)  # engine: dispatch, receipt, finish
+
+    chain = assert_intact(run.id)
+
+    writers = {(e.actor, e.channel) for e in chain}
+    assert ("user:alice", "email") in writers
+    assert ("worker:test-worker", "worker") in writers
+    assert ("system", "cli") in writers
+    assert len({e.seq for e in chain}) == len(chain)
+
+
+@pytest.mark.django_db
+def test_terminated_run_keeps_an_intact_chain(sandbox, system_actor, operator):
+    run = run_create(
+        agent_name="refund",
+        input={"order_id": "ord_1004", "amount_cents": 50_000},
+        actor=system_actor,
+    )
+    drive(run.id)
+    run_terminate(run_id=run.id, actor=Actor.for_user(operator, "web"), reason="stop")
+
+    chain = assert_intact(run.id)
+    assert chain[-1].type == "run.terminated"
+
+
+@pytest.mark.django_db
+def test_tampered_event_breaks_the_chain(sandbox, system_actor):
+    run = drive(
+        run_create(
+            agent_name="refund",
+            input={"order_id": "ord_1001", "amount_cents": 500},
+            actor=system_actor,
+        ).id
+    )
+    chain = assert_intact(run.id)
+    forged = chain[2]
+    forged.payload = {**forged.payload, "amount_cents": 1}
+
+    assert payload_digest(forged.payload) != forged.payload_digest
+    forged.payload_digest = payload_digest(forged.payload)
+    assert event_hash(forged) != forged.hash
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_writers_never_share_or_skip_a_seq(register, system_actor):
+    body = CountingTool()
+
+    def decide(ctx):
+        if len(ctx.steps) < 15:
+            return CallTool("chain_read", {})
+        return Finish({})
+
+    register(make_tool("chain_read", body), ScriptedAgent("chainer", decide, tools=("chain_read",)))
+    run = run_create(agent_name="chainer", actor=system_actor)
+    start = threading.Barrier(3)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            start.wait(timeout=5)
+            assert engine.advance(run.id, worker="w1") == "parked"
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            close_connection()
+
+    def operator_notes(name: str) -> None:
+        # people annotating the run while the worker writes: the same one append path
+        try:
+            start.wait(timeout=5)
+            for i in range(15):
+                with checkpoint(run.id, actor=f"user:{name}", channel="web") as cp:
+                    cp.event("run.note", text=f"{name} {i}")
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            close_connection()
+
+    threads = [
+        threading.Thread(target=worker),
+        threading.Thread(target=operator_notes, args=("olivia",)),
+        threading.Thread(target=operator_notes, args=("oscar",)),
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+
+    assert errors == []
+    chain = assert_intact(run.id)
+    assert sum(e.type == "run.note" for e in chain) == 30
+    assert Run.objects.get(id=run.id).status == Run.Status.SUCCEEDED
+
+
+# --- append-only ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def recorded_event(system_actor) -> RunEvent:
+    run = run_create(
+        agent_name="refund",
+        input={"order_id": "ord_1001", "amount_cents": 500},
+        actor=system_actor,
+    )
+    return RunEvent.objects.get(run=run, seq=1)
+
+
+@pytest.mark.django_db
+def test_event_cannot_be_changed_through_the_orm(recorded_event):
+    recorded_event.actor = "user:mallory"
+    with pytest.raises(AppendOnlyError):
+        recorded_event.save()
+    with pytest.raises(AppendOnlyError):
+        RunEvent.objects.filter(id=recorded_event.id).update(actor="user:mallory")
+    with pytest.raises(AppendOnlyError), transaction.atomic():
+        RunEvent.objects.bulk_update([recorded_event], ["actor"])
+
+    assert RunEvent.objects.get(id=recorded_event.id).actor == "system"
+
+
+@pytest.mark.django_db
+def test_event_cannot_be_deleted_through_the_orm(recorded_event):
+    with pytest.raises(AppendOnlyError):
+        recorded_event.delete()
+    with pytest.raises(AppendOnlyError):
+        RunEvent.objects.filter(id=recorded_event.id).delete()
+    with pytest.raises(AppendOnlyError):
+        recorded_event.run.events.all().delete()
+
+    assert RunEvent.objects.filter(id=recorded_event.id).exists()
+    assert_intact(recorded_event.run_id)
