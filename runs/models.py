@@ -329,3 +329,80 @@ class Worker(models.Model):
 
     def __str__(self) -> str:
         return f"worker {self.name} ({self.health})"
+
+
+class ApiToken(models.Model):
+    """A bearer token for agents and service accounts. Only a hash is stored; the raw token
+    is shown once, at creation. It acts as its principal, with the principal's groups."""
+
+    name = models.CharField(max_length=100, unique=True)
+    prefix = models.CharField(max_length=12, db_index=True)  # shown in lists to tell tokens apart
+    token_hash = models.CharField(max_length=64, unique=True)
+    principal = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="api_tokens"
+    )
+    created_by = models.CharField(max_length=200, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField(null=True, blank=True)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    last_used_at = models.DateTimeField(null=True, blank=True)
+    # optional callback receiving approval.decided, run.needs_attention, run.lease_expired,
+    # run.finished; signed with HMAC-SHA256 using webhook_secret
+    webhook_url = models.URLField(blank=True)
+    webhook_secret = models.CharField(max_length=64, blank=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"token {self.name} ({self.prefix}…)"
+
+
+class WebhookDelivery(models.Model):
+    """One webhook event to one token's callback, retried with backoff by the workers."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        DELIVERED = "delivered"
+        FAILED = "failed"
+
+    token = models.ForeignKey(ApiToken, on_delete=models.CASCADE, related_name="deliveries")
+    run = models.ForeignKey(Run, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    event_type = models.CharField(max_length=50)
+    payload = models.JSONField(default=dict)
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    last_status_code = models.PositiveIntegerField(null=True, blank=True)
+    last_error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    delivered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [
+            models.Index(
+                fields=["next_attempt_at"], name="webhook_due_idx", condition=Q(status="pending")
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.event_type} → {self.token_id} ({self.status})"
+
+
+class IdempotentRequest(models.Model):
+    """``POST /api/v1/runs/`` with an ``Idempotency-Key``: the same key and body return the
+    same run; the same key with another body is refused."""
+
+    principal = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+"
+    )
+    key = models.CharField(max_length=200)
+    request_digest = models.CharField(max_length=64)
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["principal", "key"], name="idempotent_request_uniq")
+        ]
