@@ -32,6 +32,8 @@ INSTALLED_APPS = [
     "django_htmx",
     "template_partials",
     "rest_framework",
+    "drf_spectacular",
+    "drf_spectacular_sidecar",
     "django_q",
     "runs",
     "approvals",
@@ -128,8 +130,48 @@ EMAIL_PORT = env_int("EMAIL_PORT", 25)
 DEFAULT_FROM_EMAIL = env_str("DEFAULT_FROM_EMAIL", "agentops@localhost")
 
 REST_FRAMEWORK = {
-    "DEFAULT_AUTHENTICATION_CLASSES": ["rest_framework.authentication.SessionAuthentication"],
+    # Bearer first: its WWW-Authenticate header makes an unauthenticated request a 401
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "runs.authentication.BearerTokenAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+    "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
+    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # every error is {"code", "detail"} (+ "fields" for validation_error)
+    "EXCEPTION_HANDLER": "runs.api_common.exception_handler",
+    "DEFAULT_THROTTLE_CLASSES": [
+        "rest_framework.throttling.AnonRateThrottle",
+        "rest_framework.throttling.UserRateThrottle",
+    ],
+    "DEFAULT_THROTTLE_RATES": {
+        "anon": env_str("AGENTOPS_API_ANON_RATE", "120/min"),
+        "user": env_str("AGENTOPS_API_USER_RATE", "1200/min"),
+    },
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "agentops API",
+    "DESCRIPTION": (
+        "Run long-running AI agents durably, with people in the loop. Authenticate with "
+        "`Authorization: Bearer <token>` (`manage.py create_api_token`). Every error is "
+        '`{"code", "detail"}`, plus `"fields"` for `validation_error`.'
+    ),
+    "VERSION": "1",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SERVE_PERMISSIONS": ["rest_framework.permissions.AllowAny"],
+    "SERVE_AUTHENTICATION": [],
+    # Swagger UI from the sidecar package: served by this app, no CDN
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "COMPONENT_SPLIT_REQUEST": True,
+    "ENUM_NAME_OVERRIDES": {
+        "RunStatusEnum": "runs.models.Run.Status",
+        "ToolCallStatusEnum": "runs.models.ToolCall.Status",
+        "ApprovalStatusEnum": "approvals.models.Approval.Status",
+    },
 }
 
 # --- django-q2: only the wake-up signal; the run table decides what runs ---------------
@@ -150,6 +192,10 @@ Q_CLUSTER = {
     "sync": env_bool("AGENTOPS_Q_SYNC", False),
     "label": "Tasks",
 }
+
+if Q_CLUSTER["timeout"] >= Q_CLUSTER["retry"]:
+    # the broker would hand a still-running slice to a second worker
+    raise ImproperlyConfigured("AGENTOPS_Q_TIMEOUT must be smaller than AGENTOPS_Q_RETRY")
 
 # --- the engine ---------------------------------------------------------------------------
 AGENTOPS = {

@@ -5,9 +5,9 @@ from __future__ import annotations
 from datetime import timedelta
 
 from django.db.models.functions import Now
-from django.utils import timezone
 
 from approvals.models import Approval
+from runs.dbtime import db_now
 from runs.gate import GateRefused
 
 
@@ -26,7 +26,8 @@ class ApprovalsGate:
             required_count=policy.required,
             allow_self_approval=policy.allow_self_approval,
             on_expiry=str(policy.on_expiry),
-            expires_at=timezone.now() + timedelta(seconds=policy.ttl_seconds),
+            # database time, like every expiry check
+            expires_at=db_now() + timedelta(seconds=policy.ttl_seconds),
         )
         cp.event(
             "approval.requested",

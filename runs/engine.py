@@ -10,6 +10,7 @@ Never is a transaction or row lock held across a tool call, a lookup or an agent
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import time
@@ -26,10 +27,10 @@ from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import services
+from runs import services, transitions
 from runs.dbtime import db_now
 from runs.events import Checkpoint, LeaseLost, checkpoint, lease_expiry_expression
-from runs.gate import GateRefused, get_gate
+from runs.gate import GateRefused, gate_installed, get_gate
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.queue import enqueue_on_commit
 from runs.registry import (
@@ -88,6 +89,11 @@ class Lease:
         self.run.requested_action = cp.run.requested_action
         self.run.requested_by = cp.run.requested_by
         self.run.requested_reason = cp.run.requested_reason
+        # an operator may raise a budget while this process holds the lease
+        self.run.max_steps = cp.run.max_steps
+        self.run.max_cost = cp.run.max_cost
+        self.run.max_tokens = cp.run.max_tokens
+        self.run.deadline = cp.run.deadline
 
     def open_step(self) -> Step | None:
         if self.steps and self.steps[-1].status == Step.Status.PENDING:
@@ -182,21 +188,22 @@ def _drive(lease: Lease) -> str:
             f"agent {lease.run.agent_name!r} is not registered",
         )
         return "parked"
-    if lease.agent.version != lease.run.agent_version:
-        # the resume rules for a changed agent (state migrations, fork) build on this check
-        _park_needs_attention(
-            lease,
-            Run.Reason.INCOMPATIBLE_AGENT_VERSION,
-            f"run was started on {lease.run.agent_name} version {lease.run.agent_version}; "
-            f"the registered version is {lease.agent.version}",
-        )
+    # DESIGN §5: everything below is checked on every claim, before anything new is decided
+    if not _migrate_agent_version(lease):
         return "parked"
-    if lease.recovered and lease.run.recovery_count > _conf("MAX_RECOVERIES"):
+    # counted since an operator last retried a dead-lettered run (run_retry_recovery)
+    recoveries = lease.run.recovery_count - lease.run.recovery_count_at_retry
+    if lease.recovered and recoveries > _conf("MAX_RECOVERIES"):
         _park_needs_attention(
             lease,
             Run.Reason.RECOVERY_LIMIT,
-            f"recovered {lease.run.recovery_count} times (limit {_conf('MAX_RECOVERIES')})",
+            f"recovered {recoveries} times (limit {_conf('MAX_RECOVERIES')}); "
+            f"{lease.run.recovery_count} in all",
         )
+        return "parked"
+    revoked = _principal_refusal(lease, tool=None)
+    if revoked:
+        _pause_principal_revoked(lease, revoked)
         return "parked"
     started = time.monotonic()
     advanced = 0
@@ -210,6 +217,81 @@ def _drive(lease: Lease) -> str:
         if advanced >= _conf("SLICE_STEPS") or time.monotonic() - started > _conf("SLICE_SECONDS"):
             _yield(lease)
             return "yielded"
+
+
+def _migrate_agent_version(lease: Lease) -> bool:
+    """A run started on another version of its agent: upgrade its state through the agent's
+    registered migrations (recorded), or park it for a person. False when parked."""
+    run, agent = lease.run, lease.agent
+    if agent.version == run.agent_version:
+        return True
+    path = agent.migration_path(run.agent_version)
+    if path is None:
+        _park_needs_attention(
+            lease,
+            Run.Reason.INCOMPATIBLE_AGENT_VERSION,
+            f"run was started on {run.agent_name} version {run.agent_version}; the registered "
+            f"version is {agent.version} and no state migration leads there: fork the run "
+            f"onto {agent.version} from a completed step, or terminate it",
+        )
+        return False
+    # A migration is the agent's own code: it may fail, and then the run waits for a person
+    # rather than running on a state the new code does not understand.
+    state = copy.deepcopy(run.state)
+    try:
+        for _source, _target, migrate in path:
+            state = migrate(state)
+    except Exception as exc:
+        _park_needs_attention(
+            lease,
+            Run.Reason.INCOMPATIBLE_AGENT_VERSION,
+            f"state migration from {run.agent_name} version {run.agent_version} to "
+            f"{agent.version} failed: {_describe(exc)}",
+        )
+        return False
+    with lease.checkpoint() as cp:
+        for source, target, _migrate in path:
+            cp.event("run.migrated", **{"from": source, "to": target})
+        cp.update(agent_version=agent.version, state=state, state_version=run.state_version + 1)
+    run.agent_version = agent.version
+    run.state = state
+    run.state_version += 1
+    return True
+
+
+def _principal_refusal(lease: Lease, tool: Tool | None) -> str:
+    """Why the run's principal may not act now (deactivated, or not in a group ``tool``
+    allows); empty when it may. Runs without a principal act as the system."""
+    run = lease.run
+    if run.principal_id is None:
+        return ""
+    principal = run.principal  # loaded once per claim: a change is seen at the next claim
+    if not principal.is_active:
+        return f"principal {principal.get_username()} is deactivated"
+    if tool is not None and tool.allowed_groups and not principal.is_superuser:
+        if not principal.groups.filter(name__in=tool.allowed_groups).exists():
+            return (
+                f"principal {principal.get_username()} is in none of the groups "
+                f"{', '.join(tool.allowed_groups)} that may use {tool.name}"
+            )
+    return ""
+
+
+def _pause_principal_revoked_in(cp, detail: str) -> None:
+    # paused, not failed: once the principal is fixed an operator resumes the run
+    cp.event("run.paused", by="system", reason=Run.Reason.PRINCIPAL_REVOKED, detail=detail)
+    cp.update(
+        status=Run.Status.PAUSED,
+        reason_code=Run.Reason.PRINCIPAL_REVOKED,
+        reason_detail=detail,
+        lease_owner="",
+        lease_expires_at=None,
+    )
+
+
+def _pause_principal_revoked(lease: Lease, detail: str) -> None:
+    with lease.checkpoint() as cp:
+        _pause_principal_revoked_in(cp, detail)
 
 
 def _honour_request(lease: Lease) -> bool:
@@ -256,14 +338,7 @@ def _context(lease: Lease) -> DecisionContext:
 
 
 def _view(step: Step) -> StepView:
-    return StepView(
-        seq=step.seq,
-        kind=step.kind,
-        status=step.status,
-        input=step.input,
-        output=step.output,
-        error=step.error,
-    )
+    return transitions.step_view(step)
 
 
 def _budget_exhausted(lease: Lease) -> str:
@@ -348,7 +423,24 @@ def _decide_call(lease: Lease, action: CallTool, seq: int) -> str:
         )
     fingerprint = tool.precondition(arguments) if tool.precondition else ""
     needs_approval = tool.approval.requires_approval(arguments)
+    if needs_approval and not gate_installed():
+        return _rejected_call(lease, action, seq, "the call needs approval and no gate is installed")
     masked = tool.mask(arguments)
+    revoked = _principal_refusal(lease, tool)
+    root_id = run.root_run_id or run.id
+    idempotency_key = f"{root_id}:{seq}"
+    sibling = None
+    if root_id != run.id:
+        # A fork: its family may already have used this key (DESIGN §5.2, docs/recovery.md).
+        sibling = _family_call(run, idempotency_key)
+        if sibling is not None and (
+            sibling.tool_name != tool.name or sibling.arguments_digest != digest(arguments)
+        ):
+            # a different call at the same seq: sharing the key would make an idempotent
+            # system answer with the other call's result, so this branch starts its own key
+            idempotency_key, sibling = f"{run.id}:{seq}", None
+    if sibling is not None and not revoked:
+        return _decide_family_call(lease, seq, tool, arguments, masked, fingerprint, sibling)
 
     with lease.checkpoint() as cp:
         step = Step.objects.create(
@@ -367,7 +459,7 @@ def _decide_call(lease: Lease, action: CallTool, seq: int) -> str:
             arguments=arguments,
             arguments_masked=masked,
             arguments_digest=digest(arguments),
-            idempotency_key=f"{cp.run.root_run_id or run.id}:{seq}",
+            idempotency_key=idempotency_key,
             precondition_fingerprint=fingerprint,
         )
         cp.event(
@@ -381,7 +473,12 @@ def _decide_call(lease: Lease, action: CallTool, seq: int) -> str:
         )
         cp.update(steps_used=F("steps_used") + 1)
         cp.boundary("decided")
-        if needs_approval:
+        if revoked:
+            # the decision is kept (the agent is not asked again); it is dispatched, or sent
+            # for approval, when the run is resumed with a principal allowed to use the tool
+            call.save(force_insert=True)
+            _pause_principal_revoked_in(cp, revoked)
+        elif needs_approval:
             # decided + approval_requested share this commit: no external call between them
             call.status = ToolCall.Status.AWAITING_APPROVAL
             call.save(force_insert=True)
@@ -395,6 +492,118 @@ def _decide_call(lease: Lease, action: CallTool, seq: int) -> str:
             call.save(force_insert=True)
     run.steps_used += 1
     lease.steps.append(step)
+    if revoked or needs_approval:
+        return Outcome.PARKED
+    return _execute(lease, step, call, tool)
+
+
+def _family_call(run: Run, idempotency_key: str) -> ToolCall | None:
+    """The call another run of this fork's family made under this key: the one with a
+    receipt first, then one that was dispatched."""
+    calls = list(
+        ToolCall.objects.filter(idempotency_key=idempotency_key)
+        .exclude(run_id=run.id)
+        .select_related("receipt")
+    )
+    calls.sort(key=lambda c: (not hasattr(c, "receipt"), c.attempt_count == 0))
+    return calls[0] if calls else None
+
+
+def _decide_family_call(
+    lease: Lease,
+    seq: int,
+    tool: Tool,
+    arguments: dict[str, Any],
+    masked: dict[str, Any],
+    fingerprint: str,
+    sibling: ToolCall,
+) -> str:
+    """A fork decided the very call its family already made under this key. Its effect is
+    never repeated blindly: a succeeded receipt is adopted; a dispatch without a receipt is
+    an unknown outcome, reconciled by key like any other; a call never dispatched is simply
+    made (with the same key)."""
+    run = lease.run
+    receipt = getattr(sibling, "receipt", None)
+    adopt = receipt is not None and receipt.outcome == ToolReceipt.Outcome.SUCCEEDED
+    in_doubt = not adopt and receipt is None and sibling.attempt_count > 0
+    needs_approval = tool.approval.requires_approval(arguments)
+    with lease.checkpoint() as cp:
+        step = Step.objects.create(
+            run_id=run.id,
+            seq=seq,
+            kind=Step.Kind.TOOL_CALL,
+            input={"tool": tool.name, "arguments": masked},
+            incarnation=lease.fence,
+        )
+        call = ToolCall(
+            step=step,
+            run_id=run.id,
+            tool_name=tool.name,
+            tool_version=tool.version,
+            effect=str(tool.effect),
+            arguments=arguments,
+            arguments_masked=masked,
+            arguments_digest=digest(arguments),
+            idempotency_key=sibling.idempotency_key,
+            precondition_fingerprint=fingerprint,
+        )
+        cp.event(
+            "step.decided",
+            seq=seq,
+            kind=step.kind,
+            tool=tool.name,
+            tool_version=tool.version,
+            arguments=masked,
+            idempotency_key=call.idempotency_key,
+            family_call={"run": sibling.run_id, "status": sibling.status},
+        )
+        cp.update(steps_used=F("steps_used") + 1)
+        cp.boundary("decided")
+        if adopt:
+            call.save(force_insert=True)
+            transitions.record_receipt(
+                cp,
+                call,
+                ok=True,
+                result=receipt.result,
+                external_ref=receipt.external_ref,
+                source=ToolReceipt.Source.RECONCILIATION,
+                recorded_by=lease.actor,
+                incarnation=lease.fence,
+            )
+            _complete_step(cp, lease, step, call, True, receipt.result, "")
+        elif in_doubt:
+            call.status = ToolCall.Status.UNKNOWN
+            call.dispatched_at = sibling.dispatched_at
+            call.last_error = (
+                f"key {call.idempotency_key} was dispatched by run {sibling.run_id} "
+                f"({sibling.status}) with no receipt"
+            )
+            call.save(force_insert=True)
+            cp.event(
+                "tool.unknown",
+                seq=seq,
+                tool=tool.name,
+                attempt=0,
+                idempotency_key=call.idempotency_key,
+                error=call.last_error,
+            )
+        elif needs_approval:
+            call.status = ToolCall.Status.AWAITING_APPROVAL
+            call.save(force_insert=True)
+            get_gate().request(cp=cp, run=run, call=call, tool=tool)
+            cp.event("run.waiting", on="approval", seq=seq, tool=tool.name)
+            cp.update(status=Run.Status.WAITING_APPROVAL, lease_owner="", lease_expires_at=None)
+            cp.boundary("approval_requested")
+        else:
+            _mark_dispatching(cp, call, lease)
+            call.save(force_insert=True)
+    run.steps_used += 1
+    lease.steps.append(step)
+    if adopt:
+        return Outcome.CONTINUE
+    if in_doubt:
+        return _reconcile(lease, step, call, tool)
     if needs_approval:
         return Outcome.PARKED
     return _execute(lease, step, call, tool)
@@ -403,7 +612,8 @@ def _decide_call(lease: Lease, action: CallTool, seq: int) -> str:
 def _mark_dispatching(cp, call: ToolCall, lease: Lease) -> None:
     call.status = ToolCall.Status.DISPATCHING
     call.attempt_count += 1
-    call.dispatched_at = timezone.now()
+    # database time: compared with database time when deciding whether it can still land
+    call.dispatched_at = lease.now()
     call.dispatch_incarnation = lease.fence
     cp.event(
         "tool.dispatching",
@@ -448,6 +658,14 @@ def _continue_step(lease: Lease, step: Step) -> str:
             lease, call, f"left in dispatching by incarnation {call.dispatch_incarnation}"
         )
         return _reconcile(lease, step, call, tool, interrupted=True)
+    if status == ToolCall.Status.UNKNOWN and call.redispatch_authorized:
+        # An operator chose "dispatch again" (toolcall_resolve). Their call, not a lookup's,
+        # but the original request must still be unable to land before it is sent again.
+        can_land_until = _can_land_until(lease, call, tool)
+        if tool.effect not in (Effect.READ, Effect.IDEMPOTENT) and lease.now() < can_land_until:
+            _release(lease, wake_at=can_land_until)
+            return Outcome.PARKED
+        return _dispatch(lease, step, call, tool)
     if status == ToolCall.Status.UNKNOWN:
         return _reconcile(lease, step, call, tool)
     # succeeded / failed with a receipt but the step still open
@@ -478,6 +696,16 @@ def _tool_changed(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -
             _mark_unknown(lease, call, "left in dispatching; " + detail)
         _park_needs_attention(lease, Run.Reason.TOOL_RETIRED, detail + "; its outcome is unknown")
         return Outcome.PARKED
+    undispatched = (
+        ToolCall.Status.PROPOSED,
+        ToolCall.Status.AWAITING_APPROVAL,
+        ToolCall.Status.APPROVED,
+    )
+    if tool is not None and call.status in undispatched and call.attempt_count == 0:
+        errors = tool.validate(call.arguments)
+        if not errors:
+            return _rebind_to_tool_version(lease, step, call, tool)
+        detail += "; the call's arguments do not match it: " + "; ".join(errors)
     with lease.checkpoint() as cp:
         if call.status in ToolCall.OPEN:
             get_gate().cancel(cp=cp, call=call, reason="tool_retired")
@@ -495,12 +723,60 @@ def _tool_changed(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -
     return Outcome.CONTINUE
 
 
+def _rebind_to_tool_version(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
+    """A call not yet dispatched whose tool changed version: an approval given for the old
+    version is not valid for the new one (the approver approved another tool), so it is
+    cancelled and, if the new version's policy asks for one, requested again."""
+    fingerprint = tool.precondition(call.arguments) if tool.precondition else ""
+    needs_approval = tool.approval.requires_approval(call.arguments)
+    previous = call.tool_version
+    with lease.checkpoint() as cp:
+        get_gate().cancel(cp=cp, call=call, reason="tool_version_changed")
+        call.tool_version = tool.version
+        call.effect = str(tool.effect)
+        call.arguments_masked = tool.mask(call.arguments)
+        call.precondition_fingerprint = fingerprint
+        call.status = (
+            ToolCall.Status.AWAITING_APPROVAL if needs_approval else ToolCall.Status.PROPOSED
+        )
+        call.save(
+            update_fields=[
+                "tool_version",
+                "effect",
+                "arguments_masked",
+                "precondition_fingerprint",
+                "status",
+                "updated_at",
+            ]
+        )
+        cp.event(
+            "tool.version_changed",
+            seq=step.seq,
+            tool=call.tool_name,
+            from_version=previous,
+            to_version=tool.version,
+            approval_required=needs_approval,
+        )
+        if needs_approval:
+            get_gate().request(cp=cp, run=lease.run, call=call, tool=tool)
+            cp.event("run.waiting", on="approval", seq=step.seq, tool=tool.name)
+            cp.update(status=Run.Status.WAITING_APPROVAL, lease_owner="", lease_expires_at=None)
+            cp.boundary("approval_requested")
+    return Outcome.PARKED if needs_approval else Outcome.CONTINUE
+
+
 def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
     """The ``dispatching`` boundary for an approved call or a re-dispatch with the same key:
     attempt incremented, approval consumed, precondition re-checked, in one transaction."""
+    revoked = _principal_refusal(lease, tool)
+    if revoked:
+        _pause_principal_revoked(lease, revoked)
+        return Outcome.PARKED
     if tool.precondition is not None:
         fingerprint = tool.precondition(call.arguments)  # may do I/O: outside the transaction
         if fingerprint != call.precondition_fingerprint:
+            # The approver approved one world, never a different one: the approval is not
+            # used, and the agent sees both fingerprints and decides again.
             with lease.checkpoint() as cp:
                 get_gate().cancel(cp=cp, call=call, reason="precondition_changed")
                 ToolCall.objects.filter(id=call.id).update(
@@ -511,8 +787,16 @@ def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
                     seq=step.seq,
                     tool=call.tool_name,
                     reason="precondition_changed",
+                    decided_fingerprint=call.precondition_fingerprint,
+                    current_fingerprint=fingerprint,
                 )
-                _fail_step_in(cp, lease, step, "precondition changed since the call was decided")
+                _fail_step_in(
+                    cp,
+                    lease,
+                    step,
+                    "precondition changed since the call was decided: "
+                    f"{call.precondition_fingerprint} -> {fingerprint}",
+                )
             return Outcome.CONTINUE
     needs_approval = tool.approval.requires_approval(call.arguments)
     try:
@@ -529,6 +813,8 @@ def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
                 dispatched_at=call.dispatched_at,
                 dispatch_incarnation=call.dispatch_incarnation,
                 reconcile_attempts=call.reconcile_attempts,
+                # an operator's "dispatch again" is used up by this dispatch
+                redispatch_authorized=False,
                 updated_at=timezone.now(),
             )
             if updated != 1:
@@ -636,56 +922,29 @@ def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
 def _record_receipt(
     cp, lease: Lease, call: ToolCall, *, ok: bool, result: Any, external_ref: str, source: str
 ) -> None:
-    ToolReceipt.objects.create(
-        tool_call=call,
-        outcome=ToolReceipt.Outcome.SUCCEEDED if ok else ToolReceipt.Outcome.FAILED,
+    transitions.record_receipt(
+        cp,
+        call,
+        ok=ok,
         result=result,
-        external_ref=external_ref or "",
+        external_ref=external_ref,
         source=source,
         recorded_by=lease.actor,
         incarnation=lease.fence,
     )
-    call.status = ToolCall.Status.SUCCEEDED if ok else ToolCall.Status.FAILED
-    ToolCall.objects.filter(id=call.id).update(status=call.status, updated_at=timezone.now())
-    cp.event(
-        "tool.succeeded" if ok else "tool.failed",
-        seq=call.step.seq,
-        tool=call.tool_name,
-        attempt=call.attempt_count,
-        source=source,
-        external_ref=external_ref or "",
-    )
-    cp.boundary("receipt_recorded")
 
 
 def _complete_step(
     cp, lease: Lease, step: Step, call: ToolCall, ok: bool, output: Any, error: str
 ) -> None:
     """``step_completed``: the outcome applied to the run's state (shares the receipt's commit)."""
-    step.status = Step.Status.COMPLETED if ok else Step.Status.FAILED
-    step.output = output
-    step.error = error
-    step.completed_at = timezone.now()
-    step.save(update_fields=["status", "output", "error", "completed_at"])
-    _apply_to_state(cp, lease, step)
-
-
-def _apply_to_state(cp, lease: Lease, step: Step) -> None:
-    run = lease.run
-    state = lease.agent.apply(dict(run.state), _view(step))
-    run.state = state
-    run.state_version += 1
-    cp.update(state=state, state_version=run.state_version)
-    cp.boundary("step_completed")
+    transitions.complete_step(
+        cp, run=lease.run, agent=lease.agent, step=step, ok=ok, output=output, error=error
+    )
 
 
 def _fail_step_in(cp, lease: Lease, step: Step, error: str) -> None:
-    step.status = Step.Status.FAILED
-    step.error = error
-    step.completed_at = timezone.now()
-    step.save(update_fields=["status", "error", "completed_at"])
-    cp.event("step.failed", seq=step.seq, error=error)
-    _apply_to_state(cp, lease, step)
+    transitions.fail_step(cp, run=lease.run, agent=lease.agent, step=step, error=error)
 
 
 def _fail_step(lease: Lease, step: Step, error: str) -> None:
@@ -778,9 +1037,7 @@ def _reconcile(
     if outcome == LookupResult.ABSENT:
         # Reliably absent. An idempotent system may simply get the same key again; any other
         # waits until the original request can no longer land.
-        can_land_until = (call.dispatched_at or lease.now()) + timedelta(
-            seconds=tool.timeout + _conf("REDISPATCH_MARGIN")
-        )
+        can_land_until = _can_land_until(lease, call, tool)
         must_wait = tool.effect != Effect.IDEMPOTENT and lease.now() < can_land_until
         with lease.checkpoint() as cp:
             ToolCall.objects.filter(id=call.id).update(
@@ -836,6 +1093,13 @@ def _reconcile(
         )
         _release_in(cp, wake_at=next_at)
     return Outcome.PARKED
+
+
+def _can_land_until(lease: Lease, call: ToolCall, tool: Tool) -> datetime:
+    """Until when a request sent at the call's last dispatch may still reach the system."""
+    return (call.dispatched_at or lease.now()) + timedelta(
+        seconds=tool.timeout + _conf("REDISPATCH_MARGIN")
+    )
 
 
 # --- releasing the lease ---------------------------------------------------------------------

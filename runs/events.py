@@ -115,6 +115,11 @@ _LOCKED_FIELDS = (
     "agent_name",
     "agent_version",
     "principal_id",
+    # budget limits: an operator may raise them under a live lease (run_topup_budget)
+    "max_steps",
+    "max_cost",
+    "max_tokens",
+    "deadline",
 )
 
 

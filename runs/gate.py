@@ -2,7 +2,7 @@
 
 ``runs`` never imports ``approvals``. The approvals app registers an implementation when it
 loads (``ApprovalsConfig.ready``); without one, a call whose policy requires approval is
-refused (the step fails) rather than dispatched unapproved.
+refused (the engine fails the step) rather than dispatched unapproved.
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ class ApprovalGate(Protocol):
 
 
 class _NoGate:
+    installed = False
+
     def request(self, *, cp, run, call, tool) -> None:
         raise GateRefused("no approval gate is installed; the call needs approval")
 
@@ -55,3 +57,7 @@ def register_gate(gate: ApprovalGate) -> None:
 
 def get_gate() -> ApprovalGate:
     return _gate
+
+
+def gate_installed() -> bool:
+    return getattr(_gate, "installed", True)

@@ -77,6 +77,9 @@ class Run(models.Model):
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     fence = models.PositiveBigIntegerField(default=0)
     recovery_count = models.PositiveIntegerField(default=0)
+    # recovery_count when an operator last retried a dead-lettered run: the limit counts the
+    # recoveries since then, while recovery_count itself is never reset (it is history)
+    recovery_count_at_retry = models.PositiveIntegerField(default=0)
     # not runnable before this time (reconciliation backoff, timers)
     wake_at = models.DateTimeField(null=True, blank=True)
     # when a wake-up task was last enqueued: the sweeper re-enqueues if nobody claimed it
@@ -89,6 +92,11 @@ class Run(models.Model):
     root_run = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.PROTECT, related_name="descendants"
     )
+    # a fork continues another run from one of its completed steps (DESIGN §5.2)
+    forked_from = models.ForeignKey(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="forks"
+    )
+    forked_from_step = models.PositiveIntegerField(null=True, blank=True)
     event_seq = models.PositiveBigIntegerField(default=0)
     last_event_hash = models.CharField(max_length=64, blank=True)
 
@@ -185,14 +193,20 @@ class ToolCall(models.Model):
     arguments = models.JSONField(default=dict)
     arguments_masked = models.JSONField(default=dict)
     arguments_digest = models.CharField(max_length=64)
-    # <root run id>:<step seq>: stable across recoveries and forks
-    idempotency_key = models.CharField(max_length=100, unique=True)
+    # <root run id>:<step seq>: stable across recoveries and forks. Unique per run, not
+    # globally: a fork carries its parent's calls with their keys, and a fork's new call at
+    # a seq its family already used either shares that key (the same call: reconciled,
+    # never blindly repeated) or takes ``<fork run id>:<seq>`` (a different call).
+    idempotency_key = models.CharField(max_length=100, db_index=True)
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.PROPOSED)
     attempt_count = models.PositiveIntegerField(default=0)
     dispatched_at = models.DateTimeField(null=True, blank=True)
     dispatch_incarnation = models.PositiveBigIntegerField(null=True, blank=True)
     precondition_fingerprint = models.CharField(max_length=128, blank=True)
     reconcile_attempts = models.PositiveIntegerField(default=0)
+    # an operator resolved the unknown outcome with "dispatch again": the call stays
+    # ``unknown`` (the first attempt's fate is still not known) until it is re-dispatched
+    redispatch_authorized = models.BooleanField(default=False)
     next_reconcile_at = models.DateTimeField(null=True, blank=True)
     last_error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
@@ -200,6 +214,11 @@ class ToolCall(models.Model):
 
     class Meta:
         ordering = ["run", "step__seq"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["run", "idempotency_key"], name="toolcall_run_key_uniq"
+            )
+        ]
         indexes = [
             models.Index(
                 fields=["status", "updated_at"],
@@ -406,3 +425,6 @@ class IdempotentRequest(models.Model):
         constraints = [
             models.UniqueConstraint(fields=["principal", "key"], name="idempotent_request_uniq")
         ]
+
+    def __str__(self) -> str:
+        return f"{self.key} → {self.run_id}"

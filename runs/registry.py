@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -203,6 +203,25 @@ class Agent:
     description: str = ""
     input_schema: Mapping[str, Any] = {"type": "object"}
     tools: tuple[str, ...] = ()
+    # State migrations, ``(from_version, to_version, migrate)``: a run started on an older
+    # version is upgraded hop by hop when it is claimed (DESIGN §5.2). With no path from the
+    # run's version to this one the run waits for a person (fork or terminate).
+    migrations: Sequence[tuple[str, str, Callable[[dict[str, Any]], dict[str, Any]]]] = ()
+
+    def migration_path(
+        self, from_version: str
+    ) -> list[tuple[str, str, Callable[[dict[str, Any]], dict[str, Any]]]] | None:
+        """The hops from ``from_version`` to this version, in order; None when there is none."""
+        by_source = {source: (source, target, fn) for source, target, fn in self.migrations}
+        path = []
+        version = from_version
+        while version != self.version:
+            hop = by_source.get(version)
+            if hop is None or len(path) > len(by_source):  # no edge, or a cycle
+                return None
+            path.append(hop)
+            version = hop[1]
+        return path
 
     def initial_state(self, input: Mapping[str, Any]) -> dict[str, Any]:
         return {}

@@ -11,7 +11,6 @@ from datetime import timedelta
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models.functions import Now
-from django.utils import timezone
 
 from runs.dbtime import db_now
 from runs.models import Run, Worker
@@ -97,7 +96,7 @@ def check_liveness(
     if worker is None:
         return "gone"
     reference = worker.last_task_at or worker.started_at
-    idle = (timezone.now() - reference).total_seconds()
+    idle = (db_now() - reference).total_seconds()
     if pending_tasks > 0 and idle > frozen_after and now - started > frozen_after:
         health = Worker.Health.FROZEN
         detail = f"no task ran for {idle:.0f}s while {pending_tasks} wait: the cluster looks frozen"

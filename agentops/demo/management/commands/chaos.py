@@ -61,19 +61,22 @@ WORKER_DEFAULTS = {
     "LOG_LEVEL": "WARNING",
 }
 
-# The order of the boundary kills. After approval_requested and run_finished the dying run
-# itself holds no lease, so they are proven through another run the worker held: they go
-# first, while many runs are in flight; the rest follow a run's life.
+# The order of the boundary kills. After approval_requested and run_finished (and a decided
+# that shares their commit) the dying run holds no lease, so those kills are proven through
+# ANOTHER run the worker held: such a crash worker runs several task processes and goes
+# while many runs are in flight. The others run one task process, so each kill uses up as
+# little of the runs' remaining work as possible, and follow a run's life.
 KILL_ORDER = (
     "approval_requested",
-    "run_finished",
     "claimed",
     "decided",
     "dispatching",
     "tool_call",
     "receipt_recorded",
     "step_completed",
+    "run_finished",
 )
+NEEDS_COMPANY = ("approval_requested", "decided", "run_finished")
 assert sorted(KILL_ORDER) == sorted(BOUNDARIES)
 
 APPROVER_USERNAME = "chaos-approver"
@@ -457,6 +460,7 @@ class Harness:
         env.pop("AGENTOPS_CRASH_AT", None)
         if crash_at:
             env["AGENTOPS_CRASH_AT"] = crash_at
+            env["AGENTOPS_Q_WORKERS"] = "4" if crash_at in NEEDS_COMPANY else "1"
         return env
 
     def _start(self, slot: int, crash_at: str | None = None) -> WorkerProcess:

@@ -1,0 +1,39 @@
+"""``/api/v1/`` routes, the OpenAPI schema and the Swagger UI (served locally)."""
+
+from __future__ import annotations
+
+from django.urls import path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
+
+from approvals import api as approvals_api
+from runs import api as runs_api
+
+v1 = [
+    path("health/", runs_api.HealthApi.as_view(), name="health"),
+    path("agents/", runs_api.AgentListApi.as_view(), name="agents"),
+    path("runs/", runs_api.RunCollectionApi.as_view(), name="runs"),
+    path("runs/<uuid:run_id>/", runs_api.RunDetailApi.as_view(), name="run"),
+    path("runs/<uuid:run_id>/events/", runs_api.RunEventListApi.as_view(), name="run-events"),
+    path("runs/<uuid:run_id>/pause/", runs_api.RunPauseApi.as_view(), name="run-pause"),
+    path("runs/<uuid:run_id>/resume/", runs_api.RunResumeApi.as_view(), name="run-resume"),
+    path(
+        "runs/<uuid:run_id>/terminate/", runs_api.RunTerminateApi.as_view(), name="run-terminate"
+    ),
+    path("tool-calls/", runs_api.ToolCallListApi.as_view(), name="tool-calls"),
+    path("approvals/", approvals_api.ApprovalListApi.as_view(), name="approvals"),
+    path(
+        "approvals/<int:approval_id>/",
+        approvals_api.ApprovalDetailApi.as_view(),
+        name="approval",
+    ),
+    path(
+        "approvals/<int:approval_id>/decision/",
+        approvals_api.ApprovalDecideApi.as_view(),
+        name="approval-decision",
+    ),
+]
+
+docs = [
+    path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
+    path("docs/", SpectacularSwaggerSplitView.as_view(url_name="api-schema"), name="api-docs"),
+]

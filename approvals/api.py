@@ -1,0 +1,131 @@
+"""The approvals API: list, read and decide approvals through ``approval_decide``, the
+service the pages and email links use."""
+
+from __future__ import annotations
+
+from django.db.models import Prefetch
+from drf_spectacular.utils import extend_schema
+from rest_framework import generics, serializers
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from approvals.models import Approval, ApprovalDecision
+from approvals.services import approval_decide
+from runs.api_common import ApiError, IdCursorPagination, actor_for, errors, has_perm
+
+
+class ApprovalDecisionSerializer(serializers.ModelSerializer):
+    decider = serializers.CharField(source="decider.username")
+
+    class Meta:
+        model = ApprovalDecision
+        fields = ["decider", "decision", "channel", "comment", "created_at"]
+        read_only_fields = fields
+
+
+class ApprovalSerializer(serializers.ModelSerializer):
+    arguments = serializers.JSONField(
+        source="arguments_masked", help_text="Sensitive fields are masked."
+    )
+    decisions = ApprovalDecisionSerializer(many=True)
+
+    class Meta:
+        model = Approval
+        fields = [
+            "id",
+            "run",
+            "tool_call",
+            "tool_name",
+            "tool_version",
+            "arguments",
+            "arguments_digest",
+            "status",
+            "approver_group",
+            "required_count",
+            "on_expiry",
+            "requested_at",
+            "expires_at",
+            "decided_at",
+            "consumed_at",
+            "reason",
+            "decisions",
+        ]
+        read_only_fields = fields
+
+
+class ApprovalListFilterSerializer(serializers.Serializer):
+    status = serializers.ChoiceField(choices=Approval.Status.choices, required=False)
+    run = serializers.UUIDField(required=False)
+
+
+class ApprovalDecisionInputSerializer(serializers.Serializer):
+    decision = serializers.ChoiceField(choices=ApprovalDecision.Decision.choices)
+    comment = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000)
+    arguments = serializers.DictField(
+        required=False,
+        help_text="Edit-and-approve is not supported through the API yet; sending it is refused.",
+    )
+
+    def validate_arguments(self, value):
+        raise serializers.ValidationError("editing arguments is not supported yet")
+
+
+def _approvals():
+    decisions = ApprovalDecision.objects.select_related("decider")
+    return Approval.objects.prefetch_related(Prefetch("decisions", queryset=decisions))
+
+
+class ApprovalListApi(generics.GenericAPIView):
+    permission_classes = [has_perm("approvals.view_approval")]
+    pagination_class = IdCursorPagination
+
+    @extend_schema(
+        summary="Approvals, newest first (status=pending: waiting for a decision)",
+        parameters=[ApprovalListFilterSerializer],
+        responses={200: ApprovalSerializer(many=True), **errors("validation_error")},
+    )
+    def get(self, request):
+        filters = ApprovalListFilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        approvals = _approvals()
+        if filters.validated_data.get("status"):
+            approvals = approvals.filter(status=filters.validated_data["status"])
+        if filters.validated_data.get("run"):
+            approvals = approvals.filter(run_id=filters.validated_data["run"])
+        page = self.paginate_queryset(approvals)
+        return self.get_paginated_response(ApprovalSerializer(page, many=True).data)
+
+
+class ApprovalDetailApi(APIView):
+    permission_classes = [has_perm("approvals.view_approval")]
+
+    @extend_schema(
+        summary="One approval with its decisions",
+        responses={200: ApprovalSerializer, **errors("not_found")},
+    )
+    def get(self, request, approval_id):
+        approval = _approvals().filter(id=approval_id).first()
+        if approval is None:
+            raise ApiError("not_found", "Not found.")
+        return Response(ApprovalSerializer(approval).data)
+
+
+class ApprovalDecideApi(APIView):
+    @extend_schema(
+        summary="Approve or reject (each eligible person decides once)",
+        request=ApprovalDecisionInputSerializer,
+        responses={
+            200: ApprovalSerializer,
+            **errors("validation_error", "not_found", "already_decided", "approval_expired"),
+        },
+    )
+    def post(self, request, approval_id):
+        payload = ApprovalDecisionInputSerializer(data=request.data)
+        payload.is_valid(raise_exception=True)
+        approval_decide(
+            approval_id=approval_id,
+            decision=payload.validated_data["decision"],
+            comment=payload.validated_data["comment"],
+            actor=actor_for(request),
+        )
+        return Response(ApprovalSerializer(_approvals().get(id=approval_id)).data)

@@ -1,0 +1,505 @@
+"""The runs API (``/api/v1/``): one view per use case, input and output serializers.
+
+Views parse, call the same services the pages and the admin call, and serialize. Services
+check permissions and raise domain errors; ``runs.api_common.exception_handler`` turns each
+into ``{"code", "detail"}`` with its status.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import connection
+from django.utils import timezone
+from drf_spectacular.utils import (
+    OpenApiResponse,
+    extend_schema,
+    extend_schema_field,
+    inline_serializer,
+)
+from rest_framework import generics, serializers, status
+from rest_framework.permissions import AllowAny
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from runs import selectors, services
+from runs.api_common import (
+    IDEMPOTENCY_KEY_HEADER,
+    ApiError,
+    CreatedCursorPagination,
+    IdCursorPagination,
+    SeqPagination,
+    actor_for,
+    errors,
+    has_perm,
+)
+from runs.idempotency import run_create_idempotent
+from runs.models import Run, RunEvent, ToolCall
+from runs.registry import Tool, registry
+
+# --- validation helpers --------------------------------------------------------------------
+
+
+def _reject_null_characters(value: Any, path: str = "") -> None:
+    """PostgreSQL cannot store U+0000 in text or jsonb: refuse it as bad input instead of
+    failing at insert."""
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise serializers.ValidationError(
+                f"{path or 'value'}: null characters are not allowed"
+            )
+    elif isinstance(value, dict):
+        for key, sub in value.items():
+            _reject_null_characters(key, path)
+            _reject_null_characters(sub, f"{path}/{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, sub in enumerate(value):
+            _reject_null_characters(sub, f"{path}/{index}" if path else str(index))
+
+
+# --- serializers ---------------------------------------------------------------------------
+
+
+class BudgetSerializer(serializers.Serializer):
+    max_steps = serializers.IntegerField(min_value=1, max_value=1_000_000, required=False)
+    max_cost = serializers.DecimalField(
+        max_digits=12, decimal_places=6, min_value=0, required=False, allow_null=True
+    )
+    max_tokens = serializers.IntegerField(
+        min_value=1, max_value=10**15, required=False, allow_null=True
+    )
+    deadline = serializers.DateTimeField(required=False, allow_null=True)
+
+    def validate_deadline(self, value):
+        if value is not None and value <= timezone.now():
+            raise serializers.ValidationError("the deadline must be in the future")
+        return value
+
+
+class RunCreateInputSerializer(serializers.Serializer):
+    agent = serializers.CharField(max_length=100, help_text="A name from GET /api/v1/agents/.")
+    goal = serializers.CharField(required=False, allow_blank=True, default="", max_length=10_000)
+    input = serializers.DictField(
+        required=False, default=dict, help_text="Must match the agent's input schema."
+    )
+    budget = BudgetSerializer(required=False)
+
+    def validate_input(self, value):
+        _reject_null_characters(value)
+        return value
+
+
+class RunListFilterSerializer(serializers.Serializer):
+    status = serializers.ChoiceField(choices=Run.Status.choices, required=False)
+    agent = serializers.CharField(max_length=100, required=False)
+
+
+class RunSummarySerializer(serializers.ModelSerializer):
+    agent = serializers.CharField(source="agent_name")
+
+    class Meta:
+        model = Run
+        fields = [
+            "id",
+            "agent",
+            "agent_version",
+            "goal",
+            "status",
+            "reason_code",
+            "steps_used",
+            "max_steps",
+            "recovery_count",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+
+class RunUsageSerializer(serializers.Serializer):
+    steps = serializers.IntegerField(source="steps_used")
+    cost = serializers.DecimalField(source="cost_used", max_digits=12, decimal_places=6)
+    tokens = serializers.IntegerField(source="tokens_used")
+
+
+class RunBudgetOutputSerializer(serializers.Serializer):
+    max_steps = serializers.IntegerField(allow_null=True)
+    max_cost = serializers.DecimalField(max_digits=12, decimal_places=6, allow_null=True)
+    max_tokens = serializers.IntegerField(allow_null=True)
+    deadline = serializers.DateTimeField(allow_null=True)
+
+
+class RunSerializer(serializers.ModelSerializer):
+    agent = serializers.CharField(source="agent_name")
+    principal = serializers.SerializerMethodField()
+    budget = RunBudgetOutputSerializer(source="*")
+    usage = RunUsageSerializer(source="*")
+    root_run = serializers.UUIDField(source="root_run_id", allow_null=True)
+    input = serializers.JSONField()
+    state = serializers.JSONField()
+    result = serializers.JSONField(allow_null=True)
+
+    class Meta:
+        model = Run
+        fields = [
+            "id",
+            "agent",
+            "agent_version",
+            "goal",
+            "input",
+            "state",
+            "result",
+            "status",
+            "reason_code",
+            "reason_detail",
+            "principal",
+            "budget",
+            "usage",
+            "recovery_count",
+            "requested_action",
+            "requested_by",
+            "trace_id",
+            "root_run",
+            "event_seq",
+            "created_at",
+            "updated_at",
+            "finished_at",
+        ]
+        read_only_fields = fields
+
+    def get_principal(self, run: Run) -> str | None:
+        return run.principal.get_username() if run.principal_id else None
+
+
+class RunEventSerializer(serializers.ModelSerializer):
+    payload = serializers.JSONField(help_text="Sensitive values are masked at write time.")
+
+    class Meta:
+        model = RunEvent
+        fields = [
+            "seq",
+            "type",
+            "created_at",
+            "actor",
+            "channel",
+            "incarnation",
+            "payload",
+            "trace_id",
+            "span_id",
+            "prev_hash",
+            "hash",
+        ]
+        read_only_fields = fields
+
+
+class ToolApprovalPolicySerializer(serializers.Serializer):
+    when = serializers.CharField(help_text="never, always, or a description of the predicate")
+    group = serializers.CharField()
+    required = serializers.IntegerField()
+    ttl_seconds = serializers.IntegerField()
+    on_expiry = serializers.CharField()
+
+
+class ToolSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    version = serializers.CharField()
+    description = serializers.CharField()
+    effect = serializers.ChoiceField(choices=["read", "idempotent", "reconcilable", "unsafe"])
+    argument_schema = serializers.JSONField()
+    sensitive_fields = serializers.ListField(child=serializers.CharField())
+    timeout = serializers.FloatField()
+    approval = ToolApprovalPolicySerializer()
+
+
+class AgentSerializer(serializers.Serializer):
+    name = serializers.CharField()
+    version = serializers.CharField()
+    kind = serializers.ChoiceField(choices=["hosted", "remote"])
+    description = serializers.CharField()
+    input_schema = serializers.JSONField()
+    tools = ToolSerializer(many=True)
+
+
+def _tool_data(tool: Tool) -> dict[str, Any]:
+    policy = tool.approval
+    return {
+        "name": tool.name,
+        "version": tool.version,
+        "description": tool.description,
+        "effect": str(tool.effect),
+        "argument_schema": dict(tool.schema),
+        "sensitive_fields": list(tool.sensitive_fields),
+        "timeout": tool.timeout,
+        "approval": {
+            "when": policy.describe().strip(),
+            "group": policy.group,
+            "required": policy.required,
+            "ttl_seconds": policy.ttl_seconds,
+            "on_expiry": str(policy.on_expiry),
+        },
+    }
+
+
+class ToolReceiptSummarySerializer(serializers.Serializer):
+    outcome = serializers.CharField()
+    external_ref = serializers.CharField()
+    source = serializers.CharField()
+    recorded_by = serializers.CharField()
+    created_at = serializers.DateTimeField()
+
+
+class ToolCallSerializer(serializers.ModelSerializer):
+    run = serializers.UUIDField(source="run_id")
+    step_seq = serializers.IntegerField(source="step.seq")
+    arguments = serializers.JSONField(
+        source="arguments_masked", help_text="Sensitive fields are masked."
+    )
+    receipt = serializers.SerializerMethodField()
+
+    class Meta:
+        model = ToolCall
+        fields = [
+            "id",
+            "run",
+            "step_seq",
+            "tool_name",
+            "tool_version",
+            "effect",
+            "arguments",
+            "idempotency_key",
+            "status",
+            "attempt_count",
+            "dispatched_at",
+            "reconcile_attempts",
+            "last_error",
+            "receipt",
+            "created_at",
+            "updated_at",
+        ]
+        read_only_fields = fields
+
+    @extend_schema_field(ToolReceiptSummarySerializer(allow_null=True))
+    def get_receipt(self, call: ToolCall) -> dict | None:
+        receipt = getattr(call, "receipt", None)
+        return ToolReceiptSummarySerializer(receipt).data if receipt is not None else None
+
+
+class ToolCallListFilterSerializer(serializers.Serializer):
+    status = serializers.ChoiceField(choices=ToolCall.Status.choices, required=False)
+    run = serializers.UUIDField(required=False)
+
+
+class TerminateInputSerializer(serializers.Serializer):
+    reason = serializers.CharField(max_length=2000, help_text="Why; recorded in the run's events.")
+
+
+class PauseInputSerializer(serializers.Serializer):
+    reason = serializers.CharField(max_length=2000, required=False, allow_blank=True, default="")
+
+
+# --- views ---------------------------------------------------------------------------------
+
+
+class HealthApi(APIView):
+    authentication_classes: list = []
+    permission_classes = [AllowAny]
+    throttle_classes: list = []
+
+    @extend_schema(
+        summary="Liveness and database check",
+        auth=[],
+        responses={
+            200: inline_serializer(
+                "Health", {"status": serializers.CharField(), "database": serializers.CharField()}
+            ),
+            503: inline_serializer(
+                "HealthDown",
+                {"status": serializers.CharField(), "database": serializers.CharField()},
+            ),
+        },
+    )
+    def get(self, request):
+        try:
+            with connection.cursor() as cursor:
+                cursor.execute("SELECT 1")
+        except Exception:  # any database failure means "not healthy"; nothing to carry on
+            return Response(
+                {"status": "error", "database": "unavailable"},
+                status=status.HTTP_503_SERVICE_UNAVAILABLE,
+            )
+        return Response({"status": "ok", "database": "ok"})
+
+
+class AgentListApi(APIView):
+    @extend_schema(
+        summary="Registered agents with their tools",
+        responses={200: AgentSerializer(many=True), **errors()},
+    )
+    def get(self, request):
+        data = [
+            {
+                "name": agent.name,
+                "version": agent.version,
+                "kind": "hosted",
+                "description": agent.description,
+                "input_schema": dict(agent.input_schema),
+                "tools": [_tool_data(registry.tool(name)) for name in agent.tools],
+            }
+            for agent in registry.agents()
+        ]
+        return Response(AgentSerializer(data, many=True).data)
+
+
+def _run_detail(run_id: Any) -> Run:
+    return selectors.run_get(run_id=run_id)
+
+
+class RunCollectionApi(generics.GenericAPIView):
+    """GET lists runs, POST starts one: two use cases sharing one URL."""
+
+    pagination_class = CreatedCursorPagination
+
+    def get_permissions(self):
+        if self.request.method == "GET":
+            return [has_perm("runs.view_run")()]
+        return super().get_permissions()
+
+    @extend_schema(
+        summary="List runs, newest first",
+        parameters=[RunListFilterSerializer],
+        responses={200: RunSummarySerializer(many=True), **errors("validation_error")},
+    )
+    def get(self, request):
+        filters = RunListFilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        runs = selectors.runs_for_api(**filters.validated_data)
+        page = self.paginate_queryset(runs)
+        return self.get_paginated_response(RunSummarySerializer(page, many=True).data)
+
+    @extend_schema(
+        summary="Start a run",
+        parameters=[IDEMPOTENCY_KEY_HEADER],
+        request=RunCreateInputSerializer,
+        responses={
+            201: RunSerializer,
+            200: OpenApiResponse(RunSerializer, description="Replay of an Idempotency-Key."),
+            **errors("validation_error", "unknown_agent", "idempotency_key_reused"),
+        },
+    )
+    def post(self, request):
+        payload = RunCreateInputSerializer(data=request.data)
+        payload.is_valid(raise_exception=True)
+        data = payload.validated_data
+        budget = data.get("budget") or {}
+        kwargs = {
+            "agent_name": data["agent"],
+            "goal": data["goal"],
+            "input": data["input"],
+            "max_steps": budget.get("max_steps"),
+            "max_cost": budget.get("max_cost"),
+            "max_tokens": budget.get("max_tokens"),
+            "deadline": budget.get("deadline"),
+        }
+        actor = actor_for(request)
+        key = request.headers.get("Idempotency-Key")
+        if key is None:
+            run, created = services.run_create(actor=actor, **kwargs), True
+        else:
+            if not 1 <= len(key) <= 200 or not key.isprintable():
+                raise ApiError(
+                    "validation_error",
+                    "invalid Idempotency-Key",
+                    {"Idempotency-Key": ["1 to 200 printable characters"]},
+                )
+            run, created = run_create_idempotent(
+                key=key, body=request.data, actor=actor, **kwargs
+            )
+        code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
+        return Response(RunSerializer(_run_detail(run.id)).data, status=code)
+
+
+class RunDetailApi(APIView):
+    permission_classes = [has_perm("runs.view_run")]
+
+    @extend_schema(
+        summary="One run with its state, budget and usage",
+        responses={200: RunSerializer, **errors("not_found")},
+    )
+    def get(self, request, run_id):
+        return Response(RunSerializer(_run_detail(run_id)).data)
+
+
+class RunEventListApi(generics.GenericAPIView):
+    permission_classes = [has_perm("runs.view_run")]
+    pagination_class = SeqPagination
+    serializer_class = RunEventSerializer
+
+    @extend_schema(
+        summary="A run's events in order (resume with after_seq)",
+        responses={
+            200: RunEventSerializer(many=True),
+            **errors("validation_error", "not_found"),
+        },
+    )
+    def get(self, request, run_id):
+        if not Run.objects.filter(id=run_id).exists():
+            raise ApiError("not_found", "Not found.")
+        page = self.paginate_queryset(RunEvent.objects.filter(run_id=run_id))
+        return self.get_paginated_response(RunEventSerializer(page, many=True).data)
+
+
+class RunPauseApi(APIView):
+    @extend_schema(
+        summary="Pause a run (a running one pauses at its next checkpoint)",
+        request=PauseInputSerializer,
+        responses={200: RunSerializer, **errors("validation_error", "not_found", "invalid_state")},
+    )
+    def post(self, request, run_id):
+        payload = PauseInputSerializer(data=request.data)
+        payload.is_valid(raise_exception=True)
+        run = services.run_pause(
+            run_id=run_id, actor=actor_for(request), reason=payload.validated_data["reason"]
+        )
+        return Response(RunSerializer(_run_detail(run.id)).data)
+
+
+class RunResumeApi(APIView):
+    @extend_schema(
+        summary="Resume a paused run",
+        request=None,
+        responses={200: RunSerializer, **errors("not_found", "invalid_state")},
+    )
+    def post(self, request, run_id):
+        run = services.run_resume(run_id=run_id, actor=actor_for(request))
+        return Response(RunSerializer(_run_detail(run.id)).data)
+
+
+class RunTerminateApi(APIView):
+    @extend_schema(
+        summary="Terminate a run (a running one stops at its next checkpoint)",
+        request=TerminateInputSerializer,
+        responses={200: RunSerializer, **errors("validation_error", "not_found", "invalid_state")},
+    )
+    def post(self, request, run_id):
+        payload = TerminateInputSerializer(data=request.data)
+        payload.is_valid(raise_exception=True)
+        run = services.run_terminate(
+            run_id=run_id, actor=actor_for(request), reason=payload.validated_data["reason"]
+        )
+        return Response(RunSerializer(_run_detail(run.id)).data)
+
+
+class ToolCallListApi(generics.GenericAPIView):
+    permission_classes = [has_perm("runs.view_toolcall")]
+    pagination_class = IdCursorPagination
+
+    @extend_schema(
+        summary="Tool calls, newest first (status=unknown: outcomes waiting for a person)",
+        parameters=[ToolCallListFilterSerializer],
+        responses={200: ToolCallSerializer(many=True), **errors("validation_error")},
+    )
+    def get(self, request):
+        filters = ToolCallListFilterSerializer(data=request.query_params)
+        filters.is_valid(raise_exception=True)
+        calls = selectors.toolcalls_for_api(**filters.validated_data)
+        page = self.paginate_queryset(calls)
+        return self.get_paginated_response(ToolCallSerializer(page, many=True).data)

@@ -1,0 +1,304 @@
+"""What every API view shares: the error shape, the actor, permissions, pagination.
+
+Every error the API returns is ``{"code": <machine code>, "detail": <human text>}``, plus
+``"fields": {name: [messages]}`` for ``validation_error``. Domain errors raised by services
+carry their ``code``; this module maps each code to one HTTP status, so a view never
+translates an error by hand and a new service error needs one line here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import urlencode
+
+from django.core.exceptions import ObjectDoesNotExist
+from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.http import Http404, JsonResponse
+from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
+from rest_framework import exceptions, pagination, permissions, serializers
+from rest_framework.response import Response
+
+from runs.actors import Actor
+from runs.actors import PermissionDenied as ActorPermissionDenied
+from runs.events import LeaseLost, RunNotFound
+from runs.models import ApiToken
+from runs.registry import UnknownAgent, UnknownTool
+
+# contract codes (issue 6) → status
+STATUS_BY_CODE: dict[str, int] = {
+    "validation_error": 400,
+    "unknown_agent": 400,
+    "not_authenticated": 401,
+    "permission_denied": 403,
+    "not_found": 404,
+    "method_not_allowed": 405,
+    "not_acceptable": 406,
+    "invalid_state": 409,
+    "idempotency_key_reused": 409,
+    "lease_held": 409,
+    "lease_lost": 409,
+    "already_decided": 409,
+    "approval_expired": 409,
+    "budget_exhausted": 409,
+    # the request lacks an explicit confirmation the client can add and send again
+    "unsafe_dispatch_unconfirmed": 400,
+    "unsupported_media_type": 415,
+    "throttled": 429,
+}
+
+
+class ApiError(exceptions.APIException):
+    """A domain error raised by an API view itself (not by a service)."""
+
+    def __init__(self, code: str, detail: str, fields: dict[str, list[str]] | None = None):
+        self.status_code = STATUS_BY_CODE[code]
+        self.code = code
+        self.fields = fields
+        super().__init__(detail=detail, code=code)
+
+
+def _flatten(errors: Any) -> dict[str, list[str]]:
+    """DRF's nested error detail → ``{"field" or "a.b" or "items.0.x": [messages]}``."""
+    flat: dict[str, list[str]] = {}
+
+    def walk(value: Any, path: str) -> None:
+        if isinstance(value, dict):
+            for key, sub in value.items():
+                walk(sub, f"{path}.{key}" if path else str(key))
+        elif isinstance(value, list) and value and not all(isinstance(v, str) for v in value):
+            for index, sub in enumerate(value):
+                walk(sub, f"{path}.{index}" if path else str(index))
+        elif isinstance(value, list):
+            if value:
+                flat.setdefault(path or "non_field_errors", []).extend(str(v) for v in value)
+        else:
+            flat.setdefault(path or "non_field_errors", []).append(str(value))
+
+    walk(errors, "")
+    return flat
+
+
+def error_body(code: str, detail: str, fields: dict[str, list[str]] | None = None) -> dict:
+    body: dict[str, Any] = {"code": code, "detail": detail}
+    if code == "validation_error":
+        body["fields"] = fields or {}
+    return body
+
+
+def _translate(exc: Exception) -> tuple[str, str, dict[str, list[str]] | None] | None:
+    if isinstance(exc, ApiError):
+        return exc.code, str(exc.detail), exc.fields
+    if isinstance(exc, exceptions.ValidationError):
+        fields = _flatten(exc.detail)
+        return "validation_error", "The request is not valid; see fields.", fields
+    if isinstance(exc, exceptions.ParseError):
+        return "validation_error", str(exc.detail), {"non_field_errors": [str(exc.detail)]}
+    if isinstance(exc, exceptions.NotAuthenticated | exceptions.AuthenticationFailed):
+        return "not_authenticated", str(exc.detail), None
+    if isinstance(exc, exceptions.PermissionDenied | DjangoPermissionDenied):
+        return "permission_denied", str(getattr(exc, "detail", "") or exc), None
+    if isinstance(exc, ActorPermissionDenied):
+        return "permission_denied", str(exc), None
+    if isinstance(exc, exceptions.NotFound | Http404 | RunNotFound | ObjectDoesNotExist):
+        return "not_found", "Not found.", None
+    if isinstance(exc, exceptions.Throttled):
+        return "throttled", str(exc.detail), None
+    if isinstance(exc, exceptions.MethodNotAllowed):
+        return "method_not_allowed", str(exc.detail), None
+    if isinstance(exc, exceptions.NotAcceptable):
+        return "not_acceptable", str(exc.detail), None
+    if isinstance(exc, exceptions.UnsupportedMediaType):
+        return "unsupported_media_type", str(exc.detail), None
+    if isinstance(exc, UnknownAgent | UnknownTool):
+        return "unknown_agent", str(exc).strip("'\""), None
+    if isinstance(exc, LeaseLost):
+        return "lease_lost", str(exc), None
+    code = getattr(exc, "code", None)
+    if isinstance(code, str) and code in STATUS_BY_CODE:
+        # a service's domain error (InvalidState, InvalidInput, AlreadyDecided, ...)
+        fields = getattr(exc, "fields", None)
+        if code == "validation_error" and fields is None:
+            fields = {"non_field_errors": [str(exc)]}
+        return code, str(exc), fields
+    return None  # a bug: let it be a 500 and reach the logs
+
+
+def exception_handler(exc: Exception, context: dict) -> Response | None:
+    translated = _translate(exc)
+    if translated is None:
+        return None
+    code, detail, fields = translated
+    response = Response(error_body(code, detail, fields), status=STATUS_BY_CODE[code])
+    if isinstance(exc, exceptions.Throttled) and exc.wait is not None:
+        response["Retry-After"] = str(int(exc.wait) + 1)
+    if code == "not_authenticated":
+        request = context.get("request")
+        view = context.get("view")
+        if request is not None and view is not None:
+            header = view.get_authenticate_header(request)
+            if header:
+                response["WWW-Authenticate"] = header
+    return response
+
+
+def json_404(request, exception=None) -> JsonResponse:
+    """A URL under /api/ that matches no route (or a malformed id) is JSON too."""
+    return JsonResponse(error_body("not_found", "Not found."), status=404)
+
+
+def json_500(request) -> JsonResponse:
+    return JsonResponse(
+        {"code": "server_error", "detail": "Internal server error; it has been logged."},
+        status=500,
+    )
+
+
+# --- the actor -----------------------------------------------------------------------------
+
+
+def actor_for(request) -> Actor:
+    """Who acts: the API token by name (acting as its principal), or the signed-in user."""
+    if isinstance(request.auth, ApiToken):
+        return Actor(label=f"token:{request.auth.name}", channel="api", user=request.user)
+    return Actor.for_user(request.user, "api")
+
+
+class HasPerm(permissions.BasePermission):
+    """Read access by a Django permission (roles are groups holding permissions)."""
+
+    perm = ""
+
+    def has_permission(self, request, view) -> bool:
+        return bool(request.user and request.user.is_authenticated) and request.user.has_perm(
+            self.perm
+        )
+
+
+def has_perm(perm: str) -> type[HasPerm]:
+    return type(f"Has_{perm.replace('.', '_')}", (HasPerm,), {"perm": perm})
+
+
+# --- error responses in the schema ---------------------------------------------------------
+
+
+class ErrorSerializer(serializers.Serializer):
+    code = serializers.CharField(help_text="Machine-readable error code.")
+    detail = serializers.CharField(help_text="Human-readable explanation.")
+    fields = serializers.DictField(
+        child=serializers.ListField(child=serializers.CharField()),
+        required=False,
+        help_text="Only for validation_error: messages per input field.",
+    )
+
+
+def errors(*codes: str, auth: bool = True) -> dict[int, OpenApiResponse]:
+    """Schema responses for the given error codes (401/403/429 added for authenticated
+    endpoints), grouped by status."""
+    all_codes = list(codes)
+    if auth:
+        all_codes += ["not_authenticated", "permission_denied"]
+    all_codes += ["throttled"]
+    by_status: dict[int, list[str]] = {}
+    for code in all_codes:
+        by_status.setdefault(STATUS_BY_CODE[code], []).append(code)
+    return {
+        status_code: OpenApiResponse(
+            ErrorSerializer, description="Error codes: " + ", ".join(f"`{c}`" for c in names)
+        )
+        for status_code, names in sorted(by_status.items())
+    }
+
+
+# --- pagination ----------------------------------------------------------------------------
+
+
+class CreatedCursorPagination(pagination.CursorPagination):
+    page_size = 50
+    page_size_query_param = "limit"
+    max_page_size = 200
+    ordering = "-created_at"
+
+
+class IdCursorPagination(CreatedCursorPagination):
+    ordering = "-id"
+
+
+class SeqPagination(pagination.BasePagination):
+    """Events in ``seq`` order after ``after_seq``. The seq is gap-free and never reused, so
+    the last seq of a page is itself the cursor: a client that stored it can resume from it
+    at any time and will see every later event exactly once."""
+
+    default_limit = 100
+    max_limit = 500
+
+    def paginate_queryset(self, queryset, request, view=None):
+        self.request = request
+        params = SeqPageParams(data=request.query_params)
+        params.is_valid(raise_exception=True)
+        self.after_seq = params.validated_data.get("after_seq", 0)
+        self.limit = params.validated_data.get("limit", self.default_limit)
+        rows = list(queryset.filter(seq__gt=self.after_seq).order_by("seq")[: self.limit + 1])
+        self.has_more = len(rows) > self.limit
+        self.page = rows[: self.limit]
+        return self.page
+
+    def _next_url(self) -> str | None:
+        if not self.has_more:
+            return None
+        query = self.request.query_params.copy()
+        query["after_seq"] = str(self.page[-1].seq)
+        query["limit"] = str(self.limit)
+        return self.request.build_absolute_uri(self.request.path) + "?" + urlencode(query)
+
+    def get_paginated_response(self, data) -> Response:
+        last = self.page[-1].seq if self.page else self.after_seq
+        return Response({"next": self._next_url(), "last_seq": last, "results": data})
+
+    def get_paginated_response_schema(self, schema: dict) -> dict:
+        return {
+            "type": "object",
+            "required": ["next", "last_seq", "results"],
+            "properties": {
+                "next": {"type": "string", "nullable": True, "format": "uri"},
+                "last_seq": {
+                    "type": "integer",
+                    "description": "Pass as after_seq to continue after this page.",
+                },
+                "results": schema,
+            },
+        }
+
+    def get_schema_operation_parameters(self, view) -> list[dict]:
+        return [
+            {
+                "name": "after_seq",
+                "in": "query",
+                "required": False,
+                "description": "Only events with a larger seq (default 0: from the start).",
+                "schema": {"type": "integer", "minimum": 0},
+            },
+            {
+                "name": "limit",
+                "in": "query",
+                "required": False,
+                "description": f"Page size (default {self.default_limit}, max {self.max_limit}).",
+                "schema": {"type": "integer", "minimum": 1, "maximum": self.max_limit},
+            },
+        ]
+
+
+class SeqPageParams(serializers.Serializer):
+    after_seq = serializers.IntegerField(min_value=0, required=False)
+    limit = serializers.IntegerField(min_value=1, max_value=SeqPagination.max_limit, required=False)
+
+
+IDEMPOTENCY_KEY_HEADER = OpenApiParameter(
+    name="Idempotency-Key",
+    location=OpenApiParameter.HEADER,
+    required=False,
+    type=str,
+    description=(
+        "Retry-safe creation: the same key with the same body returns the same run (200); "
+        "the same key with another body is refused (409 idempotency_key_reused)."
+    ),
+)

@@ -1,0 +1,91 @@
+"""Transitions of a step and its tool call that both the engine and operators' services make.
+
+A receipt recorded by the tool, by reconciliation or by an operator resolving an unknown
+outcome is the same transition; it is written here once. Each function runs inside an open
+``checkpoint`` (the run row locked) and appends its events through it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.utils import timezone
+
+from runs.events import Checkpoint
+from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.registry import Agent, StepView
+
+
+def step_view(step: Step) -> StepView:
+    return StepView(
+        seq=step.seq,
+        kind=step.kind,
+        status=step.status,
+        input=step.input,
+        output=step.output,
+        error=step.error,
+    )
+
+
+def record_receipt(
+    cp: Checkpoint,
+    call: ToolCall,
+    *,
+    ok: bool,
+    result: Any,
+    external_ref: str,
+    source: str,
+    recorded_by: str,
+    incarnation: int | None,
+) -> ToolReceipt:
+    """``receipt_recorded``: the call's outcome, whoever learned it."""
+    receipt = ToolReceipt.objects.create(
+        tool_call=call,
+        outcome=ToolReceipt.Outcome.SUCCEEDED if ok else ToolReceipt.Outcome.FAILED,
+        result=result,
+        external_ref=external_ref or "",
+        source=source,
+        recorded_by=recorded_by,
+        incarnation=incarnation,
+    )
+    call.status = ToolCall.Status.SUCCEEDED if ok else ToolCall.Status.FAILED
+    ToolCall.objects.filter(id=call.id).update(status=call.status, updated_at=timezone.now())
+    cp.event(
+        "tool.succeeded" if ok else "tool.failed",
+        seq=call.step.seq,
+        tool=call.tool_name,
+        attempt=call.attempt_count,
+        source=source,
+        external_ref=external_ref or "",
+    )
+    cp.boundary("receipt_recorded")
+    return receipt
+
+
+def apply_to_state(cp: Checkpoint, *, run: Run, agent: Agent, step: Step) -> None:
+    """``step_completed``: the agent folds the finished step into the run's state."""
+    state = agent.apply(dict(run.state), step_view(step))
+    run.state = state
+    run.state_version += 1
+    cp.update(state=state, state_version=run.state_version)
+    cp.boundary("step_completed")
+
+
+def complete_step(
+    cp: Checkpoint, *, run: Run, agent: Agent, step: Step, ok: bool, output: Any, error: str
+) -> None:
+    step.status = Step.Status.COMPLETED if ok else Step.Status.FAILED
+    step.output = output
+    step.error = error
+    step.completed_at = timezone.now()
+    step.save(update_fields=["status", "output", "error", "completed_at"])
+    apply_to_state(cp, run=run, agent=agent, step=step)
+
+
+def fail_step(cp: Checkpoint, *, run: Run, agent: Agent, step: Step, error: str) -> None:
+    step.status = Step.Status.FAILED
+    step.error = error
+    step.completed_at = timezone.now()
+    step.save(update_fields=["status", "error", "completed_at"])
+    cp.event("step.failed", seq=step.seq, error=error)
+    apply_to_state(cp, run=run, agent=agent, step=step)
