@@ -16,10 +16,20 @@ v1 = [
     path("runs/<uuid:run_id>/events/", runs_api.RunEventListApi.as_view(), name="run-events"),
     path("runs/<uuid:run_id>/pause/", runs_api.RunPauseApi.as_view(), name="run-pause"),
     path("runs/<uuid:run_id>/resume/", runs_api.RunResumeApi.as_view(), name="run-resume"),
+    path("runs/<uuid:run_id>/terminate/", runs_api.RunTerminateApi.as_view(), name="run-terminate"),
+    path("runs/<uuid:run_id>/budget/", runs_api.RunBudgetApi.as_view(), name="run-budget"),
+    path("runs/<uuid:run_id>/fork/", runs_api.RunForkApi.as_view(), name="run-fork"),
     path(
-        "runs/<uuid:run_id>/terminate/", runs_api.RunTerminateApi.as_view(), name="run-terminate"
+        "runs/<uuid:run_id>/retry-recovery/",
+        runs_api.RunRetryRecoveryApi.as_view(),
+        name="run-retry-recovery",
     ),
     path("tool-calls/", runs_api.ToolCallListApi.as_view(), name="tool-calls"),
+    path(
+        "tool-calls/<int:tool_call_id>/resolution/",
+        runs_api.ToolCallResolutionApi.as_view(),
+        name="tool-call-resolution",
+    ),
     path("approvals/", approvals_api.ApprovalListApi.as_view(), name="approvals"),
     path(
         "approvals/<int:approval_id>/",

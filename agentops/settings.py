@@ -139,6 +139,7 @@ REST_FRAMEWORK = {
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
     "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "TEST_REQUEST_DEFAULT_FORMAT": "json",
     # every error is {"code", "detail"} (+ "fields" for validation_error)
     "EXCEPTION_HANDLER": "runs.api_common.exception_handler",
     "DEFAULT_THROTTLE_CLASSES": [
@@ -223,6 +224,11 @@ AGENTOPS = {
     "WORKER_STALE_AFTER": env_float("AGENTOPS_WORKER_STALE_AFTER", 15.0),
     "DEFAULT_MAX_STEPS": env_int("AGENTOPS_DEFAULT_MAX_STEPS", 100),
     "SANDBOX_URL": env_str("AGENTOPS_SANDBOX_URL", "http://127.0.0.1:8765"),
+    # absolute links in emails (approval links) start with this
+    "BASE_URL": env_str("AGENTOPS_BASE_URL", "http://127.0.0.1:8000"),
+    # a pending approval's approvers are reminded once, this many seconds before it
+    # expires (0: never); only approvals that live longer than this get a reminder
+    "APPROVAL_REMINDER_BEFORE": env_float("AGENTOPS_APPROVAL_REMINDER_BEFORE", 3600.0),
 }
 
 LOGGING = {

@@ -12,6 +12,7 @@ urlpatterns = [
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),
     path("api/v1/", include((api_urls.v1, "api"))),
     path("api/", include(api_urls.docs)),
+    path("approvals/", include("approvals.urls")),
     path("", include("runs.urls")),
 ]
 

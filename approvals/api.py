@@ -59,7 +59,8 @@ class ApprovalListFilterSerializer(serializers.Serializer):
 
 
 class ApprovalDecisionInputSerializer(serializers.Serializer):
-    decision = serializers.ChoiceField(choices=ApprovalDecision.Decision.choices)
+    # the contract's two decisions; comments that decide nothing are not part of the API yet
+    decision = serializers.ChoiceField(choices=["approve", "reject"])
     comment = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000)
     arguments = serializers.DictField(
         required=False,

@@ -12,7 +12,8 @@ class ApprovalsConfig(AppConfig):
 
         register_gate(ApprovalsGate())
 
-        from approvals.services import approvals_expire_due
+        from approvals.services import approvals_expire_due, approvals_remind_due
         from runs.sweeper import register_sweep_hook
 
         register_sweep_hook(approvals_expire_due)
+        register_sweep_hook(approvals_remind_due)

@@ -7,6 +7,7 @@ from datetime import timedelta
 from django.db.models.functions import Now
 
 from approvals.models import Approval
+from approvals.notify import links_create_and_email
 from runs.dbtime import db_now
 from runs.gate import GateRefused
 
@@ -25,6 +26,7 @@ class ApprovalsGate:
             approver_group=policy.group,
             required_count=policy.required,
             allow_self_approval=policy.allow_self_approval,
+            require_login=policy.require_login,
             on_expiry=str(policy.on_expiry),
             # database time, like every expiry check
             expires_at=db_now() + timedelta(seconds=policy.ttl_seconds),
@@ -39,6 +41,8 @@ class ApprovalsGate:
             required=policy.required,
             expires_at=approval.expires_at.isoformat(),
         )
+        # each eligible approver gets an email with their own link, sent after the commit
+        links_create_and_email(approval=approval, principal_id=cp.run.principal_id)
 
     def consume(self, *, cp, call, tool) -> None:
         # One conditional UPDATE: an approval is consumed exactly once, and only while it is

@@ -29,11 +29,15 @@ class Approval(models.Model):
     approver_group = models.CharField(max_length=150)
     required_count = models.PositiveSmallIntegerField(default=1)
     allow_self_approval = models.BooleanField(default=False)
+    # email links must also be used by the signed-in approver (policy ``require_login``)
+    require_login = models.BooleanField(default=False)
     on_expiry = models.CharField(max_length=20, default="reject")
     requested_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField()
     decided_at = models.DateTimeField(null=True, blank=True)
     consumed_at = models.DateTimeField(null=True, blank=True)
+    # set by the one sweep pass that sends the reminder (a conditional UPDATE: sent once)
+    reminder_sent_at = models.DateTimeField(null=True, blank=True)
     reason = models.TextField(blank=True)
 
     class Meta:
@@ -61,6 +65,10 @@ class ApprovalDecision(models.Model):
     class Decision(models.TextChoices):
         APPROVE = "approve"
         REJECT = "reject"
+        # a remark that decides nothing; a person may comment and still decide later
+        COMMENT = "comment"
+
+    DECIDING = (Decision.APPROVE, Decision.REJECT)
 
     approval = models.ForeignKey(Approval, on_delete=models.CASCADE, related_name="decisions")
     decider = models.ForeignKey(
@@ -69,15 +77,48 @@ class ApprovalDecision(models.Model):
     channel = models.CharField(max_length=20)
     decision = models.CharField(max_length=20, choices=Decision.choices)
     comment = models.TextField(blank=True)
+    # approve-with-edits: both copies masked (the real arguments live only on the ToolCall),
+    # side by side with the digests that bind the approval before and after the edit
     edited_arguments = models.JSONField(null=True, blank=True)
+    original_arguments = models.JSONField(null=True, blank=True)
+    original_digest = models.CharField(max_length=64, blank=True)
+    edited_digest = models.CharField(max_length=64, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["created_at"]
         constraints = [
-            # each person decides at most once
-            models.UniqueConstraint(fields=["approval", "decider"], name="decision_once_per_person")
+            # each person decides at most once (comments are not decisions)
+            models.UniqueConstraint(
+                fields=["approval", "decider"],
+                condition=Q(decision__in=["approve", "reject"]),
+                name="decision_once_per_person",
+            )
         ]
 
     def __str__(self) -> str:
         return f"{self.decision} by {self.decider_id}"
+
+
+class ApprovalLink(models.Model):
+    """One emailed link: a random token (only its sha256 is stored) for one approver of one
+    approval. Single-use; it expires with the approval."""
+
+    class Kind(models.TextChoices):
+        REQUEST = "request"
+        REMINDER = "reminder"
+
+    approval = models.ForeignKey(Approval, on_delete=models.CASCADE, related_name="links")
+    approver = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+"
+    )
+    token_hash = models.CharField(max_length=64, unique=True)
+    kind = models.CharField(max_length=20, choices=Kind.choices, default=Kind.REQUEST)
+    created_at = models.DateTimeField(auto_now_add=True)
+    used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["created_at"]
+
+    def __str__(self) -> str:
+        return f"link for {self.approver_id} on approval {self.approval_id}"

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
+from django.conf import settings
+from django.db import transaction
+from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from approvals.models import Approval, ApprovalDecision
+from approvals import notify
+from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs.actors import Actor, PermissionDenied
 from runs.events import checkpoint
 from runs.models import ToolCall
-from runs.services import InvalidState, toolcall_gate_settled
+from runs.registry import UnknownTool, digest, registry
+from runs.services import InvalidInput, InvalidState, toolcall_gate_settled
+
+MASKED = "***"
 
 
 class AlreadyDecided(Exception):
@@ -22,23 +31,89 @@ class ApprovalExpired(Exception):
     code = "approval_expired"
 
 
+class InvalidArguments(InvalidInput):
+    """Edited arguments that the tool's schema refuses; nothing was changed."""
+
+    def __init__(self, message: str, errors: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.errors = errors or [message]
+        self.fields = {"arguments": self.errors}
+
+
+@dataclass(frozen=True)
+class _Edit:
+    based_on_digest: str
+    arguments: dict[str, Any]
+    masked: dict[str, Any]
+    digest: str
+    fingerprint: str
+
+
+def _prepare_edit(tool_call_id: Any, edited: Any) -> _Edit | None:
+    """Validate an edit against the tool's schema and compute what binds it, before any
+    lock is taken (a precondition lookup may do I/O). ``"***"`` in a sensitive field means
+    "keep the value I could not see". None when the edit changes nothing."""
+    if not isinstance(edited, dict):
+        raise InvalidArguments("the arguments must be a JSON object")
+    call = ToolCall.objects.only(
+        "tool_name", "tool_version", "arguments", "arguments_digest"
+    ).get(id=tool_call_id)
+    try:
+        tool = registry.tool(call.tool_name)
+    except UnknownTool:
+        raise InvalidArguments(f"tool {call.tool_name!r} is no longer registered") from None
+    if tool.version != call.tool_version:
+        raise InvalidArguments(f"tool {call.tool_name!r} changed since the call was proposed")
+    arguments = dict(edited)
+    for name in tool.sensitive_fields:
+        if arguments.get(name) == MASKED and name in call.arguments:
+            arguments[name] = call.arguments[name]
+    errors = tool.validate(arguments)
+    if errors:
+        raise InvalidArguments(
+            "the edited arguments do not match the tool's schema: " + "; ".join(errors), errors
+        )
+    new_digest = digest(arguments)
+    if new_digest == call.arguments_digest:
+        return None
+    return _Edit(
+        based_on_digest=call.arguments_digest,
+        arguments=arguments,
+        masked=tool.mask(arguments),
+        digest=new_digest,
+        fingerprint=tool.precondition(arguments) if tool.precondition else "",
+    )
+
+
 def approval_decide(
     *,
     approval_id: Any,
     decision: str,
     actor: Actor,
     comment: str = "",
+    edited_arguments: dict[str, Any] | None = None,
 ) -> Approval:
     """Record one person's decision. First decision wins; a decision after the approval
     settled, or a second one by the same person, raises ``AlreadyDecided`` and changes
-    nothing. Expiry is checked under the lock, whatever the sweeper has done."""
+    nothing. Expiry is checked under the lock, whatever the sweeper has done.
+
+    ``comment`` as the decision records a remark and decides nothing. ``edited_arguments``
+    (with ``approve``) replaces the call's arguments: validated against the tool's schema
+    (``InvalidArguments``, nothing changed), the digest recomputed, and the call and the
+    approval rebound to it in the same transaction, so the dispatch consumes exactly what
+    was approved. The masked original is kept beside the masked edit."""
     if decision not in ApprovalDecision.Decision.values:
         raise ValueError(f"decision must be one of {ApprovalDecision.Decision.values}")
+    if edited_arguments is not None and decision != ApprovalDecision.Decision.APPROVE:
+        raise InvalidArguments("only an approval can carry edited arguments")
     user = actor.user
     if user is None:
         raise PermissionDenied("approvals are decided by people")
     actor.require("approvals.decide_approval")
-    run_id = Approval.objects.values_list("run_id", flat=True).get(id=approval_id)
+    run_id, tool_call_id = Approval.objects.values_list("run_id", "tool_call_id").get(
+        id=approval_id
+    )
+    edit = _prepare_edit(tool_call_id, edited_arguments) if edited_arguments is not None else None
     with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
         approval = Approval.objects.select_for_update().get(id=approval_id)
         if approval.status != Approval.Status.PENDING:
@@ -53,14 +128,33 @@ def approval_decide(
             and cp.run.principal_id == user.pk
         ):
             raise PermissionDenied("the run's principal may not approve its own action")
-        if approval.decisions.filter(decider=user).exists():
+        if decision == ApprovalDecision.Decision.COMMENT:
+            if not comment.strip():
+                raise InvalidInput("a comment needs some text")
+            ApprovalDecision.objects.create(
+                approval=approval, decider=user, channel=actor.channel, decision=decision,
+                comment=comment,
+            )
+            cp.event("approval.commented", approval=approval.id, by=actor.label, comment=comment)
+            return approval
+        if approval.decisions.filter(
+            decider=user, decision__in=ApprovalDecision.DECIDING
+        ).exists():
             raise AlreadyDecided("you have already decided this approval")
+        call = ToolCall.objects.select_related("step").get(id=approval.tool_call_id)
+        edit_payload: dict[str, Any] = {}
+        if edit is not None:
+            edit_payload = _apply_edit(approval, call, edit)
         ApprovalDecision.objects.create(
             approval=approval,
             decider=user,
             channel=actor.channel,
             decision=decision,
             comment=comment,
+            edited_arguments=edit.masked if edit else None,
+            original_arguments=edit_payload.get("original_arguments"),
+            original_digest=edit_payload.get("original_digest", ""),
+            edited_digest=edit.digest if edit else "",
         )
         approvals = approval.decisions.filter(decision=ApprovalDecision.Decision.APPROVE).count()
         settled = (
@@ -75,6 +169,7 @@ def approval_decide(
             approvals=approvals,
             required=approval.required_count,
             settled=settled,
+            **edit_payload,
         )
         if settled:
             approved = decision == ApprovalDecision.Decision.APPROVE
@@ -82,12 +177,131 @@ def approval_decide(
             approval.decided_at = timezone.now()
             approval.reason = comment
             approval.save(update_fields=["status", "decided_at", "reason"])
-            call = ToolCall.objects.select_related("step").get(id=approval.tool_call_id)
             try:
                 toolcall_gate_settled(cp=cp, call=call, approved=approved, reason=comment)
             except InvalidState as exc:
                 raise AlreadyDecided(str(exc)) from None
+            if not approved:
+                notify.principal_notice_on_commit(approval_id=approval.id, what="rejected")
     return approval
+
+
+def _apply_edit(approval: Approval, call: ToolCall, edit: _Edit) -> dict[str, Any]:
+    """Under the run lock: rebind the call and its approval to the edited arguments."""
+    if call.arguments_digest != edit.based_on_digest:
+        raise AlreadyDecided("the call's arguments changed while you edited them")
+    if approval.decisions.filter(decision=ApprovalDecision.Decision.APPROVE).exists():
+        # the others approved the arguments as they were, not this edit
+        raise InvalidArguments(
+            "others have already approved these arguments; reject instead to change them"
+        )
+    original = {
+        "original_arguments": call.arguments_masked,
+        "original_digest": call.arguments_digest,
+    }
+    call.arguments = edit.arguments
+    call.arguments_masked = edit.masked
+    call.arguments_digest = edit.digest
+    call.precondition_fingerprint = edit.fingerprint
+    call.save(
+        update_fields=[
+            "arguments",
+            "arguments_masked",
+            "arguments_digest",
+            "precondition_fingerprint",
+            "updated_at",
+        ]
+    )
+    approval.arguments_masked = edit.masked
+    approval.arguments_digest = edit.digest
+    approval.precondition_fingerprint = edit.fingerprint
+    approval.save(update_fields=["arguments_masked", "arguments_digest", "precondition_fingerprint"])
+    return {
+        **original,
+        "edited": True,
+        "edited_arguments": edit.masked,
+        "arguments_digest": edit.digest,
+    }
+
+
+# --- email links ---------------------------------------------------------------------------
+
+
+class LinkInvalid(Exception):
+    """No link has this token: mistyped, truncated or forged."""
+
+    code = "not_found"
+
+
+class LinkUsed(Exception):
+    code = "already_decided"
+
+
+class LinkNotYours(PermissionDenied):
+    """Someone signed in as another person opened an approver's link."""
+
+
+class LinkLoginRequired(PermissionDenied):
+    """The policy requires the link's approver to be signed in as well."""
+
+
+def approval_link_get(token: str) -> ApprovalLink:
+    """The link this token belongs to, or ``LinkInvalid``."""
+    if not token or len(token) > 128:
+        raise LinkInvalid("this link is not valid")
+    link = (
+        ApprovalLink.objects.select_related("approval", "approver")
+        .filter(token_hash=notify.hash_token(token))
+        .first()
+    )
+    if link is None:
+        raise LinkInvalid("this link is not valid")
+    return link
+
+
+def approval_link_check_user(link: ApprovalLink, user: Any) -> None:
+    """The token identifies the approver; a signed-in user must be that approver, and a
+    policy may require them to be signed in."""
+    signed_in = user is not None and user.is_authenticated
+    if signed_in and user.pk != link.approver_id:
+        raise LinkNotYours(
+            f"this link was sent to {link.approver.get_username()}; "
+            f"you are signed in as {user.get_username()}"
+        )
+    if link.approval.require_login and not signed_in:
+        raise LinkLoginRequired("this approval requires you to sign in before deciding")
+
+
+def approval_link_decide(
+    *, token: str, decision: str, comment: str = "", user: Any = None
+) -> Approval:
+    """Decide through an emailed link (POST only): the link is used up in the same
+    transaction as the decision, so a decision that is refused leaves it unused and a
+    second use of it decides nothing. The link's approver is the actor, channel ``email``."""
+    if decision not in ApprovalDecision.DECIDING:
+        raise ValueError("a link can approve or reject")
+    link = approval_link_get(token)
+    approval_link_check_user(link, user)
+    actor = Actor.for_user(link.approver, notify.EMAIL_CHANNEL)
+    with transaction.atomic():
+        # the conditional UPDATE serialises two uses of one link: the second matches nothing
+        claimed = ApprovalLink.objects.filter(id=link.id, used_at__isnull=True).update(
+            used_at=Now()
+        )
+        if claimed != 1:
+            raise LinkUsed("this link has already been used")
+        with checkpoint(link.approval.run_id, actor=actor.label, channel=actor.channel) as cp:
+            cp.event(
+                "approval.link_used",
+                approval=link.approval_id,
+                link=link.id,
+                kind=link.kind,
+                by=actor.label,
+                signed_in=user is not None and user.is_authenticated,
+            )
+        return approval_decide(
+            approval_id=link.approval_id, decision=decision, actor=actor, comment=comment
+        )
 
 
 def approvals_expire_due(*, limit: int = 200) -> int:
@@ -107,7 +321,6 @@ def approvals_expire_due(*, limit: int = 200) -> int:
 
 
 def _expire_one(approval_id: Any, run_id: Any) -> None:
-    from runs.registry import UnknownTool, registry
     from runs.services import apply_terminate
 
     actor = Actor.system()
@@ -120,6 +333,7 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
         approval.reason = f"expired at {approval.expires_at.isoformat()}"
         approval.save(update_fields=["status", "decided_at", "reason"])
         cp.event("approval.expired", approval=approval.id, on_expiry=approval.on_expiry)
+        notify.principal_notice_on_commit(approval_id=approval.id, what="expired")
         call = ToolCall.objects.select_related("step").get(id=approval.tool_call_id)
         if approval.on_expiry == "terminate":
             apply_terminate(
@@ -150,6 +364,7 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
                     approver_group=group,
                     required_count=approval.required_count,
                     allow_self_approval=approval.allow_self_approval,
+                    require_login=approval.require_login,
                     on_expiry="reject",
                     expires_at=timezone.now() + (approval.expires_at - approval.requested_at),
                 )
@@ -163,6 +378,48 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
                     escalated_from=approval.id,
                     expires_at=escalated.expires_at.isoformat(),
                 )
+                notify.links_create_and_email(
+                    approval=escalated, principal_id=cp.run.principal_id
+                )
                 return
         if call.status == ToolCall.Status.AWAITING_APPROVAL:
             toolcall_gate_settled(cp=cp, call=call, approved=False, reason="approval_expired")
+
+
+def approvals_remind_due(*, limit: int = 200) -> int:
+    """Remind the approvers of every pending approval that expires within
+    ``APPROVAL_REMINDER_BEFORE`` seconds, once (a sweep hook). Each gets a fresh link: the
+    first one's token was never stored. Approvals that live shorter than the window are not
+    reminded (the request itself was the reminder)."""
+    before = settings.AGENTOPS["APPROVAL_REMINDER_BEFORE"]
+    if before <= 0:
+        return 0
+    window = timedelta(seconds=before)
+    due = list(
+        Approval.objects.filter(
+            status=Approval.Status.PENDING,
+            reminder_sent_at__isnull=True,
+            expires_at__gt=Now(),
+            expires_at__lte=Now() + window,
+            requested_at__lt=F("expires_at") - window,
+        )
+        .order_by("expires_at")
+        .values_list("id", "run_id")[:limit]
+    )
+    reminded = 0
+    for approval_id, run_id in due:
+        with checkpoint(run_id, actor="system", channel=notify.EMAIL_CHANNEL) as cp:
+            # a conditional UPDATE: two sweepers at once remind once
+            if not Approval.objects.filter(
+                id=approval_id, status=Approval.Status.PENDING, reminder_sent_at__isnull=True
+            ).update(reminder_sent_at=Now()):
+                continue
+            approval = Approval.objects.get(id=approval_id)
+            count = notify.links_create_and_email(
+                approval=approval,
+                principal_id=cp.run.principal_id,
+                kind=ApprovalLink.Kind.REMINDER,
+            )
+            cp.event("approval.reminder_due", approval=approval_id, recipients=count)
+            reminded += 1
+    return reminded

@@ -45,9 +45,7 @@ def _reject_null_characters(value: Any, path: str = "") -> None:
     failing at insert."""
     if isinstance(value, str):
         if "\x00" in value:
-            raise serializers.ValidationError(
-                f"{path or 'value'}: null characters are not allowed"
-            )
+            raise serializers.ValidationError(f"{path or 'value'}: null characters are not allowed")
     elif isinstance(value, dict):
         for key, sub in value.items():
             _reject_null_characters(key, path)
@@ -292,6 +290,46 @@ class TerminateInputSerializer(serializers.Serializer):
     reason = serializers.CharField(max_length=2000, help_text="Why; recorded in the run's events.")
 
 
+class BudgetTopUpInputSerializer(serializers.Serializer):
+    add_steps = serializers.IntegerField(min_value=0, max_value=1_000_000, default=0)
+    add_cost = serializers.DecimalField(
+        max_digits=12, decimal_places=6, min_value=0, required=False, allow_null=True
+    )
+    add_tokens = serializers.IntegerField(min_value=0, max_value=10**15, default=0)
+    deadline = serializers.DateTimeField(
+        required=False, allow_null=True, help_text="A new deadline (replaces the old one)."
+    )
+
+
+class ForkInputSerializer(serializers.Serializer):
+    from_step = serializers.IntegerField(
+        min_value=1, max_value=2**31 - 1, help_text="The last finished step to carry over."
+    )
+    agent_version = serializers.CharField(
+        max_length=50, required=False, help_text="Defaults to the registered version."
+    )
+
+
+class ResolutionInputSerializer(serializers.Serializer):
+    outcome = serializers.ChoiceField(
+        choices=["happened", "not_happened", "dispatch_again", "reconcile"]
+    )
+    external_ref = serializers.CharField(
+        max_length=200, required=False, allow_blank=True, default=""
+    )
+    result = serializers.JSONField(
+        required=False, allow_null=True, default=None, help_text="For happened: the result."
+    )
+    confirm_risk = serializers.BooleanField(
+        default=False,
+        help_text="Required to dispatch an unsafe tool again (it may repeat its effect).",
+    )
+
+    def validate_result(self, value):
+        _reject_null_characters(value)
+        return value
+
+
 class PauseInputSerializer(serializers.Serializer):
     reason = serializers.CharField(max_length=2000, required=False, allow_blank=True, default="")
 
@@ -410,9 +448,7 @@ class RunCollectionApi(generics.GenericAPIView):
                     "invalid Idempotency-Key",
                     {"Idempotency-Key": ["1 to 200 printable characters"]},
                 )
-            run, created = run_create_idempotent(
-                key=key, body=request.data, actor=actor, **kwargs
-            )
+            run, created = run_create_idempotent(key=key, body=request.data, actor=actor, **kwargs)
         code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
         return Response(RunSerializer(_run_detail(run.id)).data, status=code)
 
@@ -503,3 +539,71 @@ class ToolCallListApi(generics.GenericAPIView):
         calls = selectors.toolcalls_for_api(**filters.validated_data)
         page = self.paginate_queryset(calls)
         return self.get_paginated_response(ToolCallSerializer(page, many=True).data)
+
+
+# --- operator actions of issue 3 (services in runs.services) --------------------------------
+
+
+class RunBudgetApi(APIView):
+    @extend_schema(
+        summary="Top up a run's budget (a run stopped by its budget is queued again)",
+        request=BudgetTopUpInputSerializer,
+        responses={
+            200: RunSerializer,
+            **errors("validation_error", "not_found", "invalid_state", "budget_exhausted"),
+        },
+    )
+    def post(self, request, run_id):
+        payload = BudgetTopUpInputSerializer(data=request.data)
+        payload.is_valid(raise_exception=True)
+        run = services.run_topup_budget(
+            run_id=run_id, actor=actor_for(request), **payload.validated_data
+        )
+        return Response(RunSerializer(_run_detail(run.id)).data)
+
+
+class RunForkApi(APIView):
+    @extend_schema(
+        summary="Fork a run from one of its finished steps onto the registered agent version",
+        request=ForkInputSerializer,
+        responses={
+            201: OpenApiResponse(RunSerializer, description="The new run (the old one ends)."),
+            **errors("validation_error", "not_found", "invalid_state"),
+        },
+    )
+    def post(self, request, run_id):
+        payload = ForkInputSerializer(data=request.data)
+        payload.is_valid(raise_exception=True)
+        fork = services.run_fork(run_id=run_id, actor=actor_for(request), **payload.validated_data)
+        return Response(RunSerializer(_run_detail(fork.id)).data, status=status.HTTP_201_CREATED)
+
+
+class RunRetryRecoveryApi(APIView):
+    @extend_schema(
+        summary="Give a run stopped at its recovery limit another go",
+        request=None,
+        responses={200: RunSerializer, **errors("not_found", "invalid_state")},
+    )
+    def post(self, request, run_id):
+        run = services.run_retry_recovery(run_id=run_id, actor=actor_for(request))
+        return Response(RunSerializer(_run_detail(run.id)).data)
+
+
+class ToolCallResolutionApi(APIView):
+    @extend_schema(
+        summary="Resolve a call whose outcome is unknown",
+        request=ResolutionInputSerializer,
+        responses={
+            200: ToolCallSerializer,
+            **errors(
+                "validation_error", "not_found", "invalid_state", "unsafe_dispatch_unconfirmed"
+            ),
+        },
+    )
+    def post(self, request, tool_call_id):
+        payload = ResolutionInputSerializer(data=request.data)
+        payload.is_valid(raise_exception=True)
+        services.toolcall_resolve(
+            tool_call_id=tool_call_id, actor=actor_for(request), **payload.validated_data
+        )
+        return Response(ToolCallSerializer(selectors.toolcalls_for_api().get(id=tool_call_id)).data)

@@ -17,6 +17,7 @@ from django.http import Http404, JsonResponse
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
 from rest_framework import exceptions, pagination, permissions, serializers
 from rest_framework.response import Response
+from rest_framework.views import set_rollback
 
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
@@ -128,6 +129,8 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
     if translated is None:
         return None
     code, detail, fields = translated
+    # as DRF's own handler does: with ATOMIC_REQUESTS, an error response writes nothing
+    set_rollback()
     response = Response(error_body(code, detail, fields), status=STATUS_BY_CODE[code])
     if isinstance(exc, exceptions.Throttled) and exc.wait is not None:
         response["Retry-After"] = str(int(exc.wait) + 1)
@@ -217,6 +220,13 @@ class CreatedCursorPagination(pagination.CursorPagination):
     page_size_query_param = "limit"
     max_page_size = 200
     ordering = "-created_at"
+
+    def decode_cursor(self, request):
+        # a malformed cursor is bad input, not a missing page
+        try:
+            return super().decode_cursor(request)
+        except exceptions.NotFound:
+            raise exceptions.ValidationError({"cursor": [self.invalid_cursor_message]}) from None
 
 
 class IdCursorPagination(CreatedCursorPagination):

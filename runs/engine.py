@@ -268,12 +268,17 @@ def _principal_refusal(lease: Lease, tool: Tool | None) -> str:
     principal = run.principal  # loaded once per claim: a change is seen at the next claim
     if not principal.is_active:
         return f"principal {principal.get_username()} is deactivated"
-    if tool is not None and tool.allowed_groups and not principal.is_superuser:
-        if not principal.groups.filter(name__in=tool.allowed_groups).exists():
-            return (
-                f"principal {principal.get_username()} is in none of the groups "
-                f"{', '.join(tool.allowed_groups)} that may use {tool.name}"
-            )
+    allowed = (
+        tool is None
+        or not tool.allowed_groups
+        or principal.is_superuser
+        or principal.groups.filter(name__in=tool.allowed_groups).exists()
+    )
+    if not allowed:
+        return (
+            f"principal {principal.get_username()} is in none of the groups "
+            f"{', '.join(tool.allowed_groups)} that may use {tool.name}"
+        )
     return ""
 
 
@@ -424,7 +429,9 @@ def _decide_call(lease: Lease, action: CallTool, seq: int) -> str:
     fingerprint = tool.precondition(arguments) if tool.precondition else ""
     needs_approval = tool.approval.requires_approval(arguments)
     if needs_approval and not gate_installed():
-        return _rejected_call(lease, action, seq, "the call needs approval and no gate is installed")
+        return _rejected_call(
+            lease, action, seq, "the call needs approval and no gate is installed"
+        )
     masked = tool.mask(arguments)
     revoked = _principal_refusal(lease, tool)
     root_id = run.root_run_id or run.id

@@ -29,9 +29,7 @@ def request_digest(body: Any) -> str:
 
 def _replay(*, principal: Any, key: str, body_digest: str) -> Run | None:
     previous = (
-        IdempotentRequest.objects.select_related("run")
-        .filter(principal=principal, key=key)
-        .first()
+        IdempotentRequest.objects.select_related("run").filter(principal=principal, key=key).first()
     )
     if previous is None:
         return None

@@ -215,9 +215,7 @@ class ToolCall(models.Model):
     class Meta:
         ordering = ["run", "step__seq"]
         constraints = [
-            models.UniqueConstraint(
-                fields=["run", "idempotency_key"], name="toolcall_run_key_uniq"
-            )
+            models.UniqueConstraint(fields=["run", "idempotency_key"], name="toolcall_run_key_uniq")
         ]
         indexes = [
             models.Index(

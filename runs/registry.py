@@ -43,6 +43,9 @@ class ApprovalPolicy:
     on_expiry: OnExpiry = OnExpiry.REJECT
     escalate_to: str = ""
     allow_self_approval: bool = False
+    # email links: also require the link's approver to be signed in (the token alone is
+    # then not enough)
+    require_login: bool = False
 
     def requires_approval(self, arguments: Mapping[str, Any]) -> bool:
         if self.when == "never":

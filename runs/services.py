@@ -16,12 +16,13 @@ from django.db import transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 
+from runs import transitions
 from runs.actors import Actor
 from runs.events import Checkpoint, checkpoint
 from runs.gate import get_gate
-from runs.models import Run, Step, ToolCall
+from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.queue import enqueue_on_commit
-from runs.registry import registry
+from runs.registry import Effect, UnknownAgent, UnknownTool, registry
 
 
 class InvalidState(Exception):
@@ -30,6 +31,18 @@ class InvalidState(Exception):
 
 class InvalidInput(ValueError):
     code = "validation_error"
+
+
+class UnsafeDispatchUnconfirmed(InvalidState):
+    """Dispatching an ``unsafe`` tool again may repeat its effect: the operator must say so."""
+
+    code = "unsafe_dispatch_unconfirmed"
+
+
+class BudgetExhausted(InvalidState):
+    """A top-up that would leave the run's budget still exhausted."""
+
+    code = "budget_exhausted"
 
 
 def _validate_input(agent: Any, input: Any) -> None:
@@ -226,3 +239,405 @@ def toolcall_gate_settled(
     if cp.run.status == Run.Status.WAITING_APPROVAL:
         cp.update(status=Run.Status.QUEUED, enqueued_at=Now())
         enqueue_on_commit(cp.run.id)
+
+
+# --- resolving an unknown outcome (DESIGN §5.3) -------------------------------------------------
+
+
+class Resolution:
+    HAPPENED = "happened"
+    NOT_HAPPENED = "not_happened"
+    DISPATCH_AGAIN = "dispatch_again"
+    RECONCILE = "reconcile"
+
+    ALL = (HAPPENED, NOT_HAPPENED, DISPATCH_AGAIN, RECONCILE)
+
+
+def toolcall_resolve(
+    *,
+    tool_call_id: Any,
+    outcome: str,
+    actor: Actor,
+    external_ref: str = "",
+    result: Any = None,
+    confirm_risk: bool = False,
+) -> ToolCall:
+    """An operator's answer to a call whose outcome is unknown, on a run that waits for a
+    person. ``happened``: a receipt (source ``operator``) and the step completes;
+    ``not_happened``: the step fails and the agent decides what next; ``dispatch_again``: the
+    call is sent again with the same idempotency key (an ``unsafe`` tool only with
+    ``confirm_risk``); ``reconcile``: the engine looks the key up again from scratch. The
+    run is queued again either way."""
+    actor.require("runs.resolve_toolcall")
+    if outcome not in Resolution.ALL:
+        raise InvalidInput(f"outcome must be one of {', '.join(Resolution.ALL)}")
+    run_id = ToolCall.objects.values_list("run_id", flat=True).get(id=tool_call_id)
+    with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+        call = ToolCall.objects.select_related("step").get(id=tool_call_id)
+        if cp.run.status != Run.Status.NEEDS_ATTENTION:
+            raise InvalidState(f"the run is {cp.run.status}, not waiting for a person")
+        if call.status != ToolCall.Status.UNKNOWN:
+            raise InvalidState(f"the call is {call.status}; only an unknown outcome is resolved")
+        try:
+            tool = registry.tool(call.tool_name)
+        except UnknownTool:
+            tool = None
+        current = tool is not None and tool.version == call.tool_version
+        if outcome in (Resolution.DISPATCH_AGAIN, Resolution.RECONCILE) and not current:
+            raise InvalidState(
+                f"tool {call.tool_name} version {call.tool_version} is retired: "
+                "resolve the call as happened or not_happened"
+            )
+        if outcome == Resolution.RECONCILE and (
+            tool.reconcile is None or tool.effect == Effect.UNSAFE
+        ):
+            raise InvalidState(f"tool {call.tool_name} has no lookup by key to reconcile with")
+        unsafe = call.effect == Effect.UNSAFE
+        if outcome == Resolution.DISPATCH_AGAIN and unsafe and not confirm_risk:
+            raise UnsafeDispatchUnconfirmed(
+                f"{call.tool_name} is unsafe: sending it again may repeat its effect; "
+                "confirm the risk to dispatch it again"
+            )
+        cp.event(
+            "tool.resolved",
+            seq=call.step.seq,
+            tool=call.tool_name,
+            idempotency_key=call.idempotency_key,
+            outcome=outcome,
+            by=actor.label,
+            external_ref=external_ref,
+            confirmed_risk=bool(confirm_risk and unsafe and outcome == Resolution.DISPATCH_AGAIN),
+        )
+        if outcome in (Resolution.HAPPENED, Resolution.NOT_HAPPENED):
+            _settle_by_operator(
+                cp,
+                call,
+                happened=outcome == Resolution.HAPPENED,
+                result=result,
+                external_ref=external_ref,
+                actor=actor,
+            )
+        else:
+            # Both start the unknown-outcome rules afresh: reconcile_attempts counts the
+            # lookups since the last person looked at the call.
+            ToolCall.objects.filter(id=call.id).update(
+                reconcile_attempts=0,
+                next_reconcile_at=None,
+                redispatch_authorized=outcome == Resolution.DISPATCH_AGAIN,
+                updated_at=timezone.now(),
+            )
+        _requeue(cp, run_id)
+    call.refresh_from_db()
+    return call
+
+
+def _settle_by_operator(
+    cp: Checkpoint, call: ToolCall, *, happened: bool, result: Any, external_ref: str, actor: Actor
+) -> None:
+    transitions.record_receipt(
+        cp,
+        call,
+        ok=happened,
+        result=result if happened else {"error": "the operator found it did not happen"},
+        external_ref=external_ref,
+        source=ToolReceipt.Source.OPERATOR,
+        recorded_by=actor.label,
+        incarnation=None,
+    )
+    run = Run.objects.get(id=cp.run.id)  # the whole row (state), under the lock cp holds
+    try:
+        agent = registry.agent(run.agent_name)
+    except UnknownAgent:
+        agent = None
+    if agent is None or agent.version != run.agent_version:
+        # The step stays open with its receipt: the engine completes it after it migrated
+        # the state (or the run is forked), so an old state never meets new code.
+        return
+    transitions.complete_step(
+        cp,
+        run=run,
+        agent=agent,
+        step=call.step,
+        ok=happened,
+        output=result if happened else None,
+        error="" if happened else f"did not happen (resolved by {actor.label})",
+    )
+
+
+def _requeue(cp: Checkpoint, run_id: Any) -> None:
+    cp.update(
+        status=Run.Status.QUEUED,
+        reason_code="",
+        reason_detail="",
+        wake_at=None,
+        enqueued_at=Now(),
+    )
+    enqueue_on_commit(run_id)
+
+
+# --- budgets and the dead letter ----------------------------------------------------------------
+
+
+def _budget_exhaustion(run: Run) -> str:
+    """The engine's rule (``runs.engine._budget_exhausted``) in wall-clock time: used here to
+    refuse a top-up that would not let the run go on."""
+    if run.max_steps is not None and run.steps_used >= run.max_steps:
+        return f"{run.steps_used} of {run.max_steps} steps used"
+    if run.max_cost is not None and run.cost_used >= run.max_cost:
+        return f"cost {run.cost_used} of {run.max_cost} used"
+    if run.max_tokens is not None and run.tokens_used >= run.max_tokens:
+        return f"{run.tokens_used} of {run.max_tokens} tokens used"
+    if run.deadline is not None and timezone.now() >= run.deadline:
+        return f"the deadline {run.deadline.isoformat()} has passed"
+    return ""
+
+
+def run_topup_budget(
+    *,
+    run_id: Any,
+    actor: Actor,
+    add_steps: int = 0,
+    add_cost: Decimal | None = None,
+    add_tokens: int = 0,
+    deadline: Any = None,
+) -> Run:
+    """Raise a run's limits (usage is never touched). A run stopped with ``budget_exhausted``
+    is queued again; a live run simply gets the higher limits. A limit that was unlimited
+    stays unlimited."""
+    actor.require("runs.operate_run")
+    add_cost = Decimal(add_cost) if add_cost is not None else Decimal(0)
+    if add_steps < 0 or add_tokens < 0 or add_cost < 0:
+        raise InvalidInput("a top-up only raises limits")
+    if not (add_steps or add_tokens or add_cost or deadline is not None):
+        raise InvalidInput("nothing to top up")
+    if deadline is not None and deadline <= timezone.now():
+        raise InvalidInput("the new deadline must be in the future")
+    with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+        run = Run.objects.get(id=run_id)  # usage and limits, under the lock cp holds
+        exhausted = (
+            run.status == Run.Status.NEEDS_ATTENTION
+            and run.reason_code == Run.Reason.BUDGET_EXHAUSTED
+        )
+        if run.status in Run.TERMINAL or (
+            run.status == Run.Status.NEEDS_ATTENTION and not exhausted
+        ):
+            reason = f" ({run.reason_code})" if run.reason_code else ""
+            raise InvalidState(f"a {run.status}{reason} run's budget cannot be topped up")
+        before = _limits(run)
+        if add_steps and run.max_steps is not None:
+            run.max_steps += add_steps
+        if add_cost and run.max_cost is not None:
+            run.max_cost += add_cost
+        if add_tokens and run.max_tokens is not None:
+            run.max_tokens += add_tokens
+        if deadline is not None:
+            run.deadline = deadline
+        still = _budget_exhaustion(run)
+        if exhausted and still:
+            raise BudgetExhausted(f"the budget would still be exhausted: {still}")
+        after = _limits(run)
+        cp.event(
+            "run.budget_topped_up",
+            by=actor.label,
+            before=before,
+            after=after,
+            usage={"steps": run.steps_used, "cost": run.cost_used, "tokens": run.tokens_used},
+        )
+        cp.update(
+            max_steps=run.max_steps,
+            max_cost=run.max_cost,
+            max_tokens=run.max_tokens,
+            deadline=run.deadline,
+        )
+        if exhausted:
+            _requeue(cp, run_id)
+    return Run.objects.get(id=run_id)
+
+
+def _limits(run: Run) -> dict[str, Any]:
+    return {
+        "max_steps": run.max_steps,
+        "max_cost": run.max_cost,
+        "max_tokens": run.max_tokens,
+        "deadline": run.deadline.isoformat() if run.deadline else None,
+    }
+
+
+def run_retry_recovery(*, run_id: Any, actor: Actor) -> Run:
+    """A dead-lettered run (recovered more than ``MAX_RECOVERIES`` times) gets another go.
+    ``recovery_count`` is history and is kept; the limit counts recoveries from here."""
+    actor.require("runs.operate_run")
+    with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+        run = Run.objects.only("status", "reason_code", "recovery_count").get(id=run_id)
+        if not (
+            run.status == Run.Status.NEEDS_ATTENTION
+            and run.reason_code == Run.Reason.RECOVERY_LIMIT
+        ):
+            raise InvalidState("only a run stopped at its recovery limit can be retried")
+        cp.event("run.recovery_retried", by=actor.label, recovery_count=run.recovery_count)
+        cp.update(recovery_count_at_retry=run.recovery_count)
+        _requeue(cp, run_id)
+    return Run.objects.get(id=run_id)
+
+
+# --- forking (DESIGN §5.2) --------------------------------------------------------------------
+
+
+def run_fork(*, run_id: Any, actor: Actor, from_step: int, agent_version: str | None = None) -> Run:
+    """Continue a run on today's agent from one of its finished steps: a new run in the same
+    family (``root_run``, so idempotency keys are kept), the steps up to ``from_step`` with
+    their calls and receipts carried over, usage carried over (a fork never resets it), its
+    state rebuilt by today's agent from those steps. The old run is terminated."""
+    actor.require("runs.operate_run")
+    source = Run.objects.get(id=run_id)
+    try:
+        agent = registry.agent(source.agent_name)
+    except UnknownAgent as exc:
+        raise InvalidState(str(exc)) from None
+    if agent_version is not None and agent_version != agent.version:
+        raise InvalidInput(
+            f"only the registered version of {agent.name} ({agent.version}) can be forked onto"
+        )
+    new_id = uuid.uuid4()
+    with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+        source = Run.objects.get(id=run_id)
+        if source.status == Run.Status.RUNNING and _lease_is_live(run_id):
+            raise InvalidState("the run is being driven: pause or terminate it first")
+        family = Run.objects.filter(root_run_id=source.root_run_id or source.id)
+        if family.exclude(id=source.id).exclude(status__in=Run.TERMINAL).exists():
+            # one live branch per family: two could dispatch the same key at once
+            raise InvalidState("another run of this family is still live")
+        steps = list(
+            Step.objects.filter(run_id=run_id, seq__lte=from_step)
+            .select_related("tool_call__receipt")
+            .order_by("seq")
+        )
+        if not steps or steps[-1].seq != from_step:
+            raise InvalidInput(f"the run has no step {from_step}")
+        _check_carryable(steps)
+        state = agent.initial_state(source.input)
+        for step in steps:
+            state = agent.apply(dict(state), transitions.step_view(step))
+        fork = Run.objects.create(
+            id=new_id,
+            agent_name=agent.name,
+            agent_version=agent.version,
+            goal=source.goal,
+            input=source.input,
+            state=state,
+            state_version=len(steps),
+            principal_id=source.principal_id,
+            max_steps=source.max_steps,
+            max_cost=source.max_cost,
+            max_tokens=source.max_tokens,
+            deadline=source.deadline,
+            # usage is what was spent: carried over whole, never reset by a fork
+            steps_used=source.steps_used,
+            cost_used=source.cost_used,
+            tokens_used=source.tokens_used,
+            trace_id=uuid.uuid4().hex,
+            root_run_id=source.root_run_id or source.id,
+            forked_from=source,
+            forked_from_step=from_step,
+            enqueued_at=timezone.now(),
+        )
+        _carry_steps(fork, steps)
+        if source.status not in Run.TERMINAL:
+            apply_terminate(cp, by=actor.label, reason=f"forked to run {new_id}")
+        cp.event("run.forked", to_run=new_id, from_step=from_step, by=actor.label)
+        with checkpoint(new_id, actor=actor.label, channel=actor.channel) as fork_cp:
+            fork_cp.event(
+                "run.created",
+                agent=agent.name,
+                agent_version=agent.version,
+                goal=fork.goal,
+                principal=fork.principal.get_username() if fork.principal_id else None,
+                budget=_limits(fork),
+            )
+            fork_cp.event(
+                "run.forked",
+                from_run=source.id,
+                from_step=from_step,
+                from_agent_version=source.agent_version,
+                agent_version=agent.version,
+                carried_steps=[step.seq for step in steps],
+                usage={
+                    "steps": fork.steps_used,
+                    "cost": fork.cost_used,
+                    "tokens": fork.tokens_used,
+                },
+                by=actor.label,
+            )
+        enqueue_on_commit(new_id)
+    return Run.objects.get(id=new_id)
+
+
+def _check_carryable(steps: list[Step]) -> None:
+    finished_calls = (
+        ToolCall.Status.SUCCEEDED,
+        ToolCall.Status.FAILED,
+        ToolCall.Status.REJECTED,
+        ToolCall.Status.CANCELLED,
+    )
+    for step in steps:
+        if step.status == Step.Status.PENDING:
+            raise InvalidInput(f"step {step.seq} is not finished: fork from an earlier step")
+        if step.kind in (Step.Kind.FINISH, Step.Kind.FAIL):
+            raise InvalidInput(f"step {step.seq} ended the run: fork from an earlier step")
+        call = getattr(step, "tool_call", None)
+        if call is not None and call.status not in finished_calls:
+            raise InvalidInput(
+                f"step {step.seq}'s call has an {call.status} outcome: resolve it, or fork "
+                "from an earlier step (the fork then meets the same key and reconciles it)"
+            )
+
+
+def _carry_steps(fork: Run, steps: list[Step]) -> None:
+    """Copies, not moves: the old run's record stays whole for its audit trail. A carried
+    call keeps its idempotency key, so the family's keys name the same effects."""
+    for step in steps:
+        copy = Step.objects.create(
+            run=fork,
+            seq=step.seq,
+            kind=step.kind,
+            status=step.status,
+            input=step.input,
+            output=step.output,
+            error=step.error,
+            incarnation=step.incarnation,
+            cost=step.cost,
+            tokens=step.tokens,
+            completed_at=step.completed_at,
+        )
+        call = getattr(step, "tool_call", None)
+        if call is None:
+            continue
+        carried = ToolCall.objects.create(
+            step=copy,
+            run=fork,
+            tool_name=call.tool_name,
+            tool_version=call.tool_version,
+            effect=call.effect,
+            arguments=call.arguments,
+            arguments_masked=call.arguments_masked,
+            arguments_digest=call.arguments_digest,
+            idempotency_key=call.idempotency_key,
+            status=call.status,
+            attempt_count=call.attempt_count,
+            dispatched_at=call.dispatched_at,
+            dispatch_incarnation=call.dispatch_incarnation,
+            precondition_fingerprint=call.precondition_fingerprint,
+            reconcile_attempts=call.reconcile_attempts,
+            last_error=call.last_error,
+        )
+        receipt = getattr(call, "receipt", None)
+        if receipt is not None:
+            ToolReceipt.objects.create(
+                tool_call=carried,
+                outcome=receipt.outcome,
+                result=receipt.result,
+                external_ref=receipt.external_ref,
+                source=receipt.source,
+                recorded_by=receipt.recorded_by,
+                incarnation=receipt.incarnation,
+            )

@@ -17,6 +17,9 @@ _FAST = {
     "AGENTOPS_Q_TIMEOUT": "60",
     "AGENTOPS_Q_RETRY": "90",
     "AGENTOPS_SLICE_SECONDS": "20",
+    # the API suite and Schemathesis send far more than a client would in a minute
+    "AGENTOPS_API_USER_RATE": "100000/min",
+    "AGENTOPS_API_ANON_RATE": "100000/min",
 }
 for _key, _value in _FAST.items():
     os.environ.setdefault(_key, _value)

@@ -5,39 +5,46 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('runs', '0002_api'),
+        ("runs", "0002_api"),
     ]
 
     operations = [
         migrations.AddField(
-            model_name='run',
-            name='forked_from',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='forks', to='runs.run'),
+            model_name="run",
+            name="forked_from",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.PROTECT,
+                related_name="forks",
+                to="runs.run",
+            ),
         ),
         migrations.AddField(
-            model_name='run',
-            name='forked_from_step',
+            model_name="run",
+            name="forked_from_step",
             field=models.PositiveIntegerField(blank=True, null=True),
         ),
         migrations.AddField(
-            model_name='run',
-            name='recovery_count_at_retry',
+            model_name="run",
+            name="recovery_count_at_retry",
             field=models.PositiveIntegerField(default=0),
         ),
         migrations.AddField(
-            model_name='toolcall',
-            name='redispatch_authorized',
+            model_name="toolcall",
+            name="redispatch_authorized",
             field=models.BooleanField(default=False),
         ),
         migrations.AlterField(
-            model_name='toolcall',
-            name='idempotency_key',
+            model_name="toolcall",
+            name="idempotency_key",
             field=models.CharField(db_index=True, max_length=100),
         ),
         migrations.AddConstraint(
-            model_name='toolcall',
-            constraint=models.UniqueConstraint(fields=('run', 'idempotency_key'), name='toolcall_run_key_uniq'),
+            model_name="toolcall",
+            constraint=models.UniqueConstraint(
+                fields=("run", "idempotency_key"), name="toolcall_run_key_uniq"
+            ),
         ),
     ]

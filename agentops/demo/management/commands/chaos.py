@@ -263,12 +263,18 @@ class Command(BaseCommand):
 
         for sig in previous:
             signal.signal(sig, interrupt)
-        interrupted = ""
+        interrupted = error = ""
+        report: dict[str, Any] = {}
+        problems: list[str] = []
         try:
             try:
                 harness.run()
+                report, problems = harness.report()
             except _Interrupted as exc:
                 interrupted = str(exc) or "interrupted"
+            except (DatabaseError, httpx.HTTPError, OSError, RuntimeError) as exc:
+                harness.keep_logs = True
+                error = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             finally:
                 # a second Ctrl-C must not cut the clean-up short
                 for sig in previous:
@@ -281,7 +287,8 @@ class Command(BaseCommand):
             raise CommandError(
                 f"chaos: {interrupted}: stopped the sandbox and all workers", returncode=130
             )
-        report, problems = harness.report()
+        if error:
+            raise CommandError(f"chaos: {error} (worker logs in {harness.tmp})")
         self.stdout.write(json.dumps(report))
         self.stdout.flush()
         if problems:

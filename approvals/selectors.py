@@ -1,0 +1,113 @@
+"""Reads for the approvals pages, with no per-row queries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from django.db.models import Prefetch, QuerySet
+
+from approvals.models import Approval, ApprovalDecision, ApprovalLink
+from runs.models import RunEvent, Step, ToolCall
+
+
+def _visible_to(user: Any) -> QuerySet[Approval]:
+    """Approvals of the groups the user belongs to (all of them for a superuser)."""
+    approvals = Approval.objects.select_related("run")
+    if not user.is_superuser:
+        approvals = approvals.filter(approver_group__in=user.groups.values("name"))
+    return approvals
+
+
+@dataclass
+class Inbox:
+    pending: list[Approval]
+    recent: list[Approval]
+    agents: list[str]
+    tools: list[str]
+
+
+def approval_inbox(
+    *, user: Any, agent: str = "", tool: str = "", recent_limit: int = 25
+) -> Inbox:
+    """The signed-in approver's approvals: pending ones first (soonest to expire first),
+    then the latest settled ones; optionally only one agent's or one tool's."""
+    visible = _visible_to(user)
+    filtered = visible
+    if agent:
+        filtered = filtered.filter(run__agent_name=agent)
+    if tool:
+        filtered = filtered.filter(tool_name=tool)
+    pending = list(filtered.filter(status=Approval.Status.PENDING).order_by("expires_at")[:200])
+    recent = list(
+        filtered.exclude(status=Approval.Status.PENDING).order_by("-requested_at")[:recent_limit]
+    )
+    agents = sorted(set(visible.order_by().values_list("run__agent_name", flat=True)))
+    tools = sorted(set(visible.order_by().values_list("tool_name", flat=True)))
+    return Inbox(pending=pending, recent=recent, agents=agents, tools=tools)
+
+
+@dataclass
+class ApprovalContext:
+    approval: Approval
+    call: ToolCall
+    decisions: list[ApprovalDecision]
+    steps: list[Step]
+    events: list[RunEvent]
+
+
+def approval_context(*, approval_id: Any, event_limit: int = 30) -> ApprovalContext:
+    """One approval with its run, call, decisions, the run's steps and latest events
+    (Approval.DoesNotExist if there is none)."""
+    decisions = ApprovalDecision.objects.select_related("decider")
+    approval = (
+        Approval.objects.select_related("run", "run__principal")
+        .prefetch_related(Prefetch("decisions", queryset=decisions))
+        .get(id=approval_id)
+    )
+    call = ToolCall.objects.select_related("step").get(id=approval.tool_call_id)
+    steps = list(
+        Step.objects.filter(run_id=approval.run_id)
+        .only("seq", "kind", "status", "input", "error", "created_at")
+        .order_by("seq")
+    )
+    events = list(
+        RunEvent.objects.filter(run_id=approval.run_id)
+        .only("seq", "type", "actor", "channel", "created_at")
+        .order_by("-seq")[:event_limit]
+    )
+    return ApprovalContext(
+        approval=approval,
+        call=call,
+        decisions=list(approval.decisions.all()),
+        steps=steps,
+        events=events,
+    )
+
+
+def user_may_decide(*, user: Any, approval: Approval) -> bool:
+    """Whether to offer the decision form (the service decides for real)."""
+    if not user.has_perm("approvals.decide_approval"):
+        return False
+    if approval.status != Approval.Status.PENDING:
+        return False
+    if not user.is_superuser and not user.groups.filter(name=approval.approver_group).exists():
+        return False
+    if not approval.allow_self_approval and approval.run.principal_id == user.pk:
+        return False
+    return not approval.decisions.filter(
+        decider=user, decision__in=ApprovalDecision.DECIDING
+    ).exists()
+
+
+def link_decision(*, link: ApprovalLink) -> ApprovalDecision | None:
+    """The decision the link's approver made on its approval, if any."""
+    return (
+        ApprovalDecision.objects.select_related("decider")
+        .filter(
+            approval_id=link.approval_id,
+            decider_id=link.approver_id,
+            decision__in=ApprovalDecision.DECIDING,
+        )
+        .first()
+    )

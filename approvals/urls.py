@@ -1,0 +1,12 @@
+from django.urls import path
+
+from approvals import views
+
+app_name = "approvals"
+
+urlpatterns = [
+    path("", views.approval_inbox, name="inbox"),
+    path("<int:approval_id>/", views.approval_detail, name="detail"),
+    path("<int:approval_id>/decide/", views.approval_decide_view, name="decide"),
+    path("link/<str:token>/", views.approval_link, name="link"),
+]

@@ -1,0 +1,268 @@
+"""HTML pages for approvals: the inbox, the detail page with the decision form, and the
+landing page of emailed links. Views stay thin: parse, call a selector or a service, render.
+
+Every state change is a POST with CSRF. The email link's GET only renders a page with
+buttons: mail scanners and link previews open links, and must decide nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from django import forms
+from django.contrib import messages
+from django.contrib.auth.decorators import login_required, permission_required
+from django.contrib.auth.views import redirect_to_login
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.utils import timezone
+from django.views.decorators.cache import never_cache
+from django.views.decorators.http import require_http_methods, require_POST
+from django_htmx.middleware import HtmxDetails
+
+from approvals import selectors
+from approvals.models import Approval, ApprovalDecision
+from approvals.services import (
+    AlreadyDecided,
+    ApprovalExpired,
+    InvalidArguments,
+    LinkInvalid,
+    LinkLoginRequired,
+    LinkNotYours,
+    LinkUsed,
+    approval_decide,
+    approval_link_check_user,
+    approval_link_decide,
+    approval_link_get,
+)
+from runs.actors import Actor, PermissionDenied
+from runs.services import InvalidInput
+
+
+class HtmxHttpRequest(HttpRequest):
+    htmx: HtmxDetails
+
+
+# --- inbox ---------------------------------------------------------------------------------
+
+
+@login_required
+@permission_required("approvals.view_approval", raise_exception=True)
+def approval_inbox(request: HtmxHttpRequest) -> HttpResponse:
+    agent = request.GET.get("agent", "")
+    tool = request.GET.get("tool", "")
+    inbox = selectors.approval_inbox(user=request.user, agent=agent, tool=tool)
+    now = timezone.now()
+    context = {
+        "inbox": inbox,
+        "pending": [(a, max(0, int((a.expires_at - now).total_seconds()))) for a in inbox.pending],
+        "agent": agent,
+        "tool": tool,
+    }
+    # the periodic refresh and the filter ask for the list only
+    template = "approvals/inbox.html#inbox-list" if request.htmx else "approvals/inbox.html"
+    return render(request, template, context)
+
+
+# --- detail + decision form ----------------------------------------------------------------
+
+
+class DecisionForm(forms.Form):
+    ACTIONS = [
+        ("approve", "Approve"),
+        ("reject", "Reject"),
+        ("edit", "Approve with edited arguments"),
+        ("comment", "Comment"),
+    ]
+    action = forms.ChoiceField(choices=ACTIONS)
+    comment = forms.CharField(required=False, max_length=2000, widget=forms.Textarea)
+    arguments = forms.CharField(required=False, widget=forms.Textarea)
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        action = data.get("action")
+        if action == "reject" and not data.get("comment", "").strip():
+            self.add_error("comment", "Give a reason: the agent receives it.")
+        if action == "comment" and not data.get("comment", "").strip():
+            self.add_error("comment", "Write a comment.")
+        if action == "edit":
+            try:
+                edited = json.loads(data.get("arguments") or "")
+            except ValueError as exc:
+                self.add_error("arguments", f"Not valid JSON: {exc}")
+            else:
+                if not isinstance(edited, dict):
+                    self.add_error("arguments", "The arguments must be a JSON object.")
+                else:
+                    data["edited_arguments"] = edited
+        return data
+
+
+def _arguments_json(arguments: Any) -> str:
+    return json.dumps(arguments, indent=2, sort_keys=True)
+
+
+def _detail(
+    request: HtmxHttpRequest, approval_id: int, *, form: DecisionForm | None = None,
+    error: str = "", status: int = 200,
+) -> HttpResponse:
+    try:
+        ctx = selectors.approval_context(approval_id=approval_id)
+    except Approval.DoesNotExist:
+        raise Http404("no such approval") from None
+    approval = ctx.approval
+    context = {
+        "ctx": ctx,
+        "approval": approval,
+        "run": approval.run,
+        "call": ctx.call,
+        "arguments_json": _arguments_json(approval.arguments_masked),
+        "may_decide": selectors.user_may_decide(user=request.user, approval=approval),
+        "seconds_left": max(0, int((approval.expires_at - timezone.now()).total_seconds())),
+        "form": form,
+        "action": form.data.get("action") if form is not None else "",
+        "error": error,
+    }
+    template = "approvals/detail.html"
+    if request.htmx:
+        template += "#decision-panel"
+    return render(request, template, context, status=status)
+
+
+@login_required
+@permission_required("approvals.view_approval", raise_exception=True)
+def approval_detail(request: HtmxHttpRequest, approval_id: int) -> HttpResponse:
+    return _detail(request, approval_id)
+
+
+@login_required
+@permission_required("approvals.view_approval", raise_exception=True)
+@require_POST
+def approval_decide_view(request: HtmxHttpRequest, approval_id: int) -> HttpResponse:
+    form = DecisionForm(request.POST)
+    if not form.is_valid():
+        return _detail(request, approval_id, form=form, status=400)
+    action = form.cleaned_data["action"]
+    decision = ApprovalDecision.Decision.APPROVE if action == "edit" else action
+    try:
+        approval_decide(
+            approval_id=approval_id,
+            decision=decision,
+            actor=Actor.for_user(request.user, "web"),
+            comment=form.cleaned_data["comment"],
+            edited_arguments=form.cleaned_data.get("edited_arguments"),
+        )
+    except Approval.DoesNotExist:
+        raise Http404("no such approval") from None
+    except InvalidArguments as exc:
+        for message in exc.errors:
+            form.add_error("arguments", message)
+        return _detail(request, approval_id, form=form, status=400)
+    except InvalidInput as exc:
+        form.add_error(None, str(exc))
+        return _detail(request, approval_id, form=form, status=400)
+    except (AlreadyDecided, ApprovalExpired) as exc:
+        return _detail(request, approval_id, form=form, error=str(exc), status=409)
+    except PermissionDenied as exc:
+        return _detail(request, approval_id, form=form, error=str(exc), status=403)
+    done = {
+        "approve": "You approved this call.",
+        "reject": "You rejected this call.",
+        "edit": "You approved this call with edited arguments.",
+        "comment": "Your comment was added.",
+    }[action]
+    messages.success(request, done)
+    if request.htmx:
+        return _detail(request, approval_id)
+    return redirect("approvals:detail", approval_id=approval_id)
+
+
+# --- email links ---------------------------------------------------------------------------
+
+
+def _link_page(
+    request: HttpRequest, state: str, *, link=None, status: int = 200, error: str = ""
+) -> HttpResponse:
+    context: dict[str, Any] = {"state": state, "error": error, "link": link}
+    if link is not None:
+        approval = link.approval
+        context.update(
+            approval=approval,
+            run=approval.run,
+            arguments_json=_arguments_json(approval.arguments_masked),
+            decisions=list(approval.decisions.select_related("decider")),
+            my_decision=selectors.link_decision(link=link),
+            seconds_left=max(0, int((approval.expires_at - timezone.now()).total_seconds())),
+        )
+    response = render(request, "approvals/link.html", context, status=status)
+    # the token is in the URL: keep it out of Referer headers and caches
+    response["Referrer-Policy"] = "no-referrer"
+    response["X-Robots-Tag"] = "noindex, nofollow"
+    return response
+
+
+def _link_state(link) -> str:
+    approval = link.approval
+    if approval.status == Approval.Status.EXPIRED:
+        return "expired"
+    if approval.status == Approval.Status.CANCELLED:
+        return "cancelled"
+    if link.used_at is not None or approval.status != Approval.Status.PENDING:
+        return "decided"
+    if selectors.link_decision(link=link) is not None:
+        return "decided"
+    if approval.expires_at <= timezone.now():
+        return "expired"  # the sweeper has not got to it yet; the service refuses it anyway
+    return "confirm"
+
+
+_LINK_STATUS = {"confirm": 200, "decided": 200, "expired": 410, "cancelled": 410}
+
+
+@never_cache
+@require_http_methods(["GET", "POST"])
+def approval_link(request: HttpRequest, token: str) -> HttpResponse:
+    try:
+        link = approval_link_get(token)
+    except LinkInvalid:
+        return _link_page(request, "invalid", status=404)
+    link.approval.run  # noqa: B018 -- one query now, used by every state's page
+    try:
+        approval_link_check_user(link, request.user)
+    except LinkNotYours as exc:
+        return _link_page(request, "not_yours", link=link, status=403, error=str(exc))
+    except LinkLoginRequired:
+        if request.method == "POST":
+            return redirect_to_login(request.get_full_path())
+        state = _link_state(link)
+        return _link_page(
+            request, "login" if state == "confirm" else state, link=link,
+            status=_LINK_STATUS.get(state, 200),
+        )
+    if request.method == "GET":
+        state = _link_state(link)
+        return _link_page(request, state, link=link, status=_LINK_STATUS[state])
+
+    decision = request.POST.get("decision", "")
+    comment = request.POST.get("comment", "").strip()[:2000]
+    if decision not in ApprovalDecision.DECIDING:
+        return _link_page(
+            request, "confirm", link=link, status=400, error="Choose Approve or Reject."
+        )
+    if decision == ApprovalDecision.Decision.REJECT and not comment:
+        return _link_page(
+            request, "confirm", link=link, status=400,
+            error="Give a reason to reject: the agent receives it.",
+        )
+    try:
+        approval_link_decide(token=token, decision=decision, comment=comment, user=request.user)
+    except (LinkUsed, AlreadyDecided) as exc:
+        link = approval_link_get(token)
+        return _link_page(request, _link_state(link), link=link, status=409, error=str(exc))
+    except ApprovalExpired as exc:
+        return _link_page(request, "expired", link=link, status=410, error=str(exc))
+    except PermissionDenied as exc:
+        return _link_page(request, "refused", link=link, status=403, error=str(exc))
+    link = approval_link_get(token)
+    return _link_page(request, "decided", link=link)

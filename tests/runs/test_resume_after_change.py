@@ -1,0 +1,420 @@
+"""Resume after change (DESIGN §5.2): on every claim, before anything new is decided, a
+changed agent, tool, principal or world is noticed and handled, never run through."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import Group
+from django.db import transaction
+
+from agentops.demo.tools import REFUND_PAYMENT
+from approvals.models import Approval
+from approvals.services import approval_decide
+from runs import engine
+from runs.actors import Actor
+from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.registry import ApprovalPolicy, CallTool, Effect, Finish, registry
+from runs.services import (
+    InvalidInput,
+    run_create,
+    run_fork,
+    run_resume,
+    run_terminate,
+)
+from tests.conftest import drive
+from tests.support import (
+    CountingTool,
+    ScriptedAgent,
+    WorkerKilled,
+    event_types,
+    events,
+    expire_lease,
+    make_tool,
+    refund_posts,
+    refunds,
+)
+
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("roles")]
+
+ALWAYS = ApprovalPolicy(when="always", group="approver")
+
+
+@pytest.fixture
+def olivia(operator) -> Actor:
+    return Actor.for_user(operator, "web")
+
+
+# --- agent version --------------------------------------------------------------------------
+
+
+def _counter(version: str, migrations=()) -> ScriptedAgent:
+    """Finishes with the state it sees: what the migrations made of it."""
+    agent = ScriptedAgent("versioned", lambda ctx: Finish(dict(ctx.state)), version=version)
+    agent.migrations = migrations
+    return agent
+
+
+def test_a_registered_migration_path_upgrades_the_state_and_is_recorded(register, system_actor):
+    register(_counter("1"))
+    run = run_create(agent_name="versioned", actor=system_actor)
+    Run.objects.filter(id=run.id).update(state={"count": 2})
+    registry.register_agent(
+        _counter(
+            "3",
+            migrations=[
+                ("2", "3", lambda s: {"total": s["count"] * 10}),
+                ("1", "2", lambda s: {**s, "count": s["count"] + 1}),
+            ],
+        )
+    )
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.agent_version == "3"
+    assert run.result == {"total": 30}
+    migrated = events(run.id, "run.migrated")
+    assert [(e.payload["from"], e.payload["to"]) for e in migrated] == [("1", "2"), ("2", "3")]
+    types = event_types(run.id)
+    assert types.index("run.migrated") < types.index("step.decided")
+
+
+def test_without_a_migration_path_the_run_waits_and_can_be_forked_onto_the_new_version(
+    register, system_actor, olivia
+):
+    body = CountingTool()
+
+    def decide(ctx):
+        if len(ctx.steps) < 2:
+            return CallTool("versioned_read", {"n": len(ctx.steps)})
+        return Finish({"reads": [s.output["call"] for s in ctx.steps], "state": ctx.state})
+
+    old = ScriptedAgent("forkable", decide, tools=("versioned_read",), version="1")
+    register(make_tool("versioned_read", body), old)
+    run = run_create(agent_name="forkable", actor=system_actor, max_steps=10)
+    lease = engine.claim(run.id, worker="w1")
+    engine._advance_once(lease)  # step 1 done under version 1
+    engine._release(lease)
+
+    new = ScriptedAgent("forkable", decide, tools=("versioned_read",), version="2")
+    new.apply = lambda state, step: {**state, "seen": state.get("seen", 0) + 1}
+    registry.register_agent(new)
+    run = drive(run.id)
+
+    assert (run.status, run.reason_code) == (
+        Run.Status.NEEDS_ATTENTION,
+        "incompatible_agent_version",
+    )
+    assert "fork" in run.reason_detail
+    assert len(body.calls) == 1
+
+    fork = run_fork(run_id=run.id, actor=olivia, from_step=1)
+
+    run.refresh_from_db()
+    assert run.status == Run.Status.TERMINATED
+    assert (fork.forked_from_id, fork.forked_from_step) == (run.id, 1)
+    assert (fork.root_run_id, fork.agent_version) == (run.id, "2")
+    assert fork.steps_used == run.steps_used == 1  # usage carried, not reset
+    assert fork.state == {"seen": 1}  # rebuilt by today's agent from the carried step
+    assert events(run.id, "run.forked")[0].payload["to_run"] == str(fork.id)
+    assert events(fork.id, "run.forked")[0].payload["from_run"] == str(run.id)
+
+    fork = drive(fork.id)
+
+    assert fork.status == Run.Status.SUCCEEDED
+    assert fork.result == {"reads": [1, 2], "state": {"seen": 2}}
+    assert len(body.calls) == 2  # step 1 was carried, not repeated
+    assert fork.steps_used == 3
+
+
+def test_a_failing_migration_leaves_the_run_for_a_person(register, system_actor):
+    register(_counter("1"))
+    run = run_create(agent_name="versioned", actor=system_actor)
+
+    def broken(state):
+        raise KeyError("total")
+
+    registry.register_agent(_counter("2", migrations=[("1", "2", broken)]))
+    run = drive(run.id)
+
+    assert (run.status, run.reason_code) == (
+        Run.Status.NEEDS_ATTENTION,
+        "incompatible_agent_version",
+    )
+    assert "KeyError" in run.reason_detail
+    assert run.agent_version == "1"
+    assert events(run.id, "run.migrated") == []
+
+
+# --- fork: the family's keys name the same effects ---------------------------------------------
+
+
+def _refund_run(system_actor) -> Run:
+    return run_create(
+        agent_name="refund",
+        input={"order_id": "ord_1001", "amount_cents": 500},
+        actor=system_actor,
+    )
+
+
+def test_fork_carries_receipts_and_repeats_no_refund(sandbox, system_actor, olivia):
+    run = drive(_refund_run(system_actor).id)
+    assert run.status == Run.Status.SUCCEEDED
+
+    fork = drive(run_fork(run_id=run.id, actor=olivia, from_step=1).id)
+
+    assert fork.status == Run.Status.SUCCEEDED
+    assert len(refund_posts(sandbox)) == 1
+    (refund,) = refunds(sandbox)
+    assert fork.result == {"refunded": True, "refund_id": refund["refund_id"]}
+    original = ToolCall.objects.get(run=run, tool_name="refund_payment")
+    again = ToolCall.objects.get(run=fork, tool_name="refund_payment")
+    assert again.idempotency_key == original.idempotency_key == f"{run.id}:2"
+    assert again.attempt_count == 0  # adopted from the family's receipt, never dispatched
+    assert again.receipt.external_ref == refund["refund_id"]
+    carried = ToolCall.objects.get(run=fork, tool_name="lookup_order")
+    assert carried.receipt.source == ToolReceipt.Source.TOOL
+    assert fork.steps_used == run.steps_used + 2  # the original's 3, and the fork's 2 and 3
+
+
+def test_fork_after_a_refund_of_unknown_outcome_reconciles_it_by_key(
+    sandbox, system_actor, olivia, monkeypatch
+):
+    real_call = REFUND_PAYMENT.call
+
+    def refund_then_die(arguments, ctx):
+        real_call(arguments, ctx)
+        raise WorkerKilled
+
+    monkeypatch.setattr(REFUND_PAYMENT, "call", refund_then_die)
+    run = _refund_run(system_actor)
+    with pytest.raises(WorkerKilled):
+        engine.advance(run.id, worker="w1")
+    monkeypatch.setattr(REFUND_PAYMENT, "call", real_call)
+    expire_lease(run.id)
+    run_terminate(run_id=run.id, actor=olivia, reason="moving to a fork")
+
+    fork = drive(run_fork(run_id=run.id, actor=olivia, from_step=1).id)
+
+    assert fork.status == Run.Status.SUCCEEDED
+    assert len(refund_posts(sandbox)) == 1
+    assert len(refunds(sandbox)) == 1
+    call = ToolCall.objects.get(run=fork, tool_name="refund_payment")
+    assert call.receipt.source == ToolReceipt.Source.RECONCILIATION
+    assert "tool.unknown" in event_types(fork.id)
+
+
+def test_fork_refuses_an_unfinished_step(sandbox, system_actor, olivia, monkeypatch):
+    monkeypatch.setattr(REFUND_PAYMENT, "call", lambda a, c: (_ for _ in ()).throw(WorkerKilled))
+    run = _refund_run(system_actor)
+    with pytest.raises(WorkerKilled):
+        engine.advance(run.id, worker="w1")
+    expire_lease(run.id)
+
+    with pytest.raises(InvalidInput, match="not finished"), transaction.atomic():
+        run_fork(run_id=run.id, actor=olivia, from_step=2)
+
+
+def test_a_fork_that_decides_differently_gets_its_own_key(register, system_actor, olivia):
+    body = CountingTool()
+    plan = {"n": 1}
+
+    def decide(ctx):
+        if len(ctx.steps) < 2:
+            return CallTool("divergent_write", {"n": plan["n"] * len(ctx.steps)})
+        return Finish()
+
+    register(
+        make_tool("divergent_write", body, effect=Effect.IDEMPOTENT),
+        ScriptedAgent("divergent", decide, tools=("divergent_write",)),
+    )
+    run = drive(run_create(agent_name="divergent", actor=system_actor).id)
+    plan["n"] = 7
+
+    fork = drive(run_fork(run_id=run.id, actor=olivia, from_step=1).id)
+
+    assert fork.status == Run.Status.SUCCEEDED
+    assert [c["key"] for c in body.calls] == [f"{run.id}:1", f"{run.id}:2", f"{fork.id}:2"]
+
+
+# --- tools ---------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def gated(register):
+    body = CountingTool()
+
+    def decide(ctx):
+        if not ctx.steps:
+            return CallTool("gated_write", {"amount": 5})
+        last = ctx.last_step
+        return Finish({"status": last.status, "error": last.error})
+
+    tool = make_tool(
+        "gated_write",
+        body,
+        effect=Effect.IDEMPOTENT,
+        approval=ALWAYS,
+        schema={"type": "object", "properties": {"amount": {"type": "integer"}}},
+    )
+    register(tool, ScriptedAgent("gated", decide, tools=("gated_write",)))
+    return body, tool
+
+
+def _approve(run: Run, approver) -> None:
+    approval = Approval.objects.get(run=run, status=Approval.Status.PENDING)
+    approval_decide(
+        approval_id=approval.id, decision="approve", actor=Actor.for_user(approver, "web")
+    )
+
+
+def test_an_approval_for_an_old_tool_version_is_cancelled_and_requested_again(
+    gated, system_actor, approver
+):
+    body, tool = gated
+    run = drive(run_create(agent_name="gated", actor=system_actor).id)
+    _approve(run, approver)
+    old_version = tool.version
+
+    changed = make_tool(
+        "gated_write",
+        body,
+        effect=Effect.IDEMPOTENT,
+        approval=ALWAYS,
+        schema={"type": "object", "properties": {"amount": {"type": "number"}}},
+    )
+    registry.register_tool(changed)
+    run = drive(run.id)
+
+    assert run.status == Run.Status.WAITING_APPROVAL
+    assert body.calls == []
+    old, new = Approval.objects.filter(run=run).order_by("requested_at", "id")
+    assert (old.status, old.consumed_at, old.tool_version) == ("cancelled", None, old_version)
+    assert (new.status, new.tool_version) == ("pending", changed.version)
+    (changed_event,) = events(run.id, "tool.version_changed")
+    assert changed_event.payload["to_version"] == changed.version
+
+    _approve(run, approver)
+    run = drive(run.id)
+    assert run.status == Run.Status.SUCCEEDED
+    assert len(body.calls) == 1
+
+
+def test_a_retired_tool_fails_its_step_and_the_agent_goes_on(gated, system_actor, approver):
+    body, _ = gated
+    run = drive(run_create(agent_name="gated", actor=system_actor).id)
+    _approve(run, approver)
+
+    registry.unregister_tool("gated_write")
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result["status"] == "failed"
+    assert "tool_retired" in run.result["error"]
+    assert body.calls == []
+    approval = Approval.objects.get(run=run)
+    assert (approval.status, approval.consumed_at) == ("cancelled", None)
+
+
+def test_a_changed_precondition_is_never_dispatched_on_the_old_approval(
+    register, system_actor, approver
+):
+    body = CountingTool()
+    world = {"balance": 100}
+
+    def decide(ctx):
+        if not ctx.steps:
+            return CallTool("guarded_refund", {"order": "o1"})
+        return Finish({"status": ctx.last_step.status, "error": ctx.last_step.error})
+
+    tool = make_tool("guarded_refund", body, effect=Effect.IDEMPOTENT, approval=ALWAYS)
+    tool.precondition = lambda arguments: f"balance={world['balance']}"
+    register(tool, ScriptedAgent("guarded", decide, tools=("guarded_refund",)))
+    run = drive(run_create(agent_name="guarded", actor=system_actor).id)
+    _approve(run, approver)
+
+    world["balance"] = 40  # someone refunded part of the order meanwhile
+    run = drive(run.id)
+
+    assert body.calls == []
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result["status"] == "failed"
+    (cancelled,) = events(run.id, "tool.cancelled")
+    assert cancelled.payload["decided_fingerprint"] == "balance=100"
+    assert cancelled.payload["current_fingerprint"] == "balance=40"
+    approval = Approval.objects.get(run=run)
+    assert approval.consumed_at is None
+    assert approval.status == Approval.Status.CANCELLED
+
+
+# --- the principal ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def restricted(register):
+    body = CountingTool()
+
+    def decide(ctx):
+        if not ctx.steps:
+            return CallTool("ops_only_write", {})
+        return Finish({"status": ctx.last_step.status})
+
+    tool = make_tool("ops_only_write", body, effect=Effect.IDEMPOTENT)
+    tool.allowed_groups = ("operator",)
+    decisions = []
+
+    def counted(ctx):
+        decisions.append(len(ctx.steps))
+        return decide(ctx)
+
+    register(tool, ScriptedAgent("restricted", counted, tools=("ops_only_write",)))
+    return body, decisions
+
+
+def test_a_deactivated_principal_pauses_the_run_until_resumed(
+    restricted, system_actor, operator, olivia
+):
+    body, _ = restricted
+    run = run_create(agent_name="restricted", actor=olivia)
+    operator.is_active = False
+    operator.save(update_fields=["is_active"])
+
+    run = drive(run.id)
+
+    assert (run.status, run.reason_code) == (Run.Status.PAUSED, Run.Reason.PRINCIPAL_REVOKED)
+    assert "deactivated" in run.reason_detail
+    assert body.calls == []
+    assert not Step.objects.filter(run=run).exists()
+
+    operator.is_active = True
+    operator.save(update_fields=["is_active"])
+    run_resume(run_id=run.id, actor=Actor.system("cli"))
+    run = drive(run.id)
+    assert run.status == Run.Status.SUCCEEDED
+    assert len(body.calls) == 1
+
+
+def test_a_principal_outside_the_tools_groups_pauses_the_run_and_keeps_the_decision(
+    restricted, system_actor, viewer
+):
+    body, decisions = restricted
+    run = drive(run_create(agent_name="restricted", actor=system_actor, principal=viewer).id)
+
+    assert (run.status, run.reason_code) == (Run.Status.PAUSED, Run.Reason.PRINCIPAL_REVOKED)
+    assert "operator" in run.reason_detail
+    call = ToolCall.objects.get(run=run)
+    assert call.status == ToolCall.Status.PROPOSED
+    assert body.calls == []
+
+    run_resume(run_id=run.id, actor=system_actor)
+    run = drive(run.id)  # still not allowed: paused again, never dispatched
+    assert run.status == Run.Status.PAUSED
+    assert body.calls == []
+
+    viewer.groups.add(Group.objects.get(name="operator"))
+    run_resume(run_id=run.id, actor=system_actor)
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert len(body.calls) == 1
+    assert decisions == [0, 1]  # the call was decided once, not asked again
