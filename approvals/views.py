@@ -221,7 +221,7 @@ _LINK_STATUS = {"confirm": 200, "decided": 200, "expired": 410, "cancelled": 410
 
 
 @never_cache
-@require_http_methods(["GET", "POST"])
+@require_http_methods(["GET", "HEAD", "POST"])
 def approval_link(request: HttpRequest, token: str) -> HttpResponse:
     try:
         link = approval_link_get(token)
@@ -240,7 +240,7 @@ def approval_link(request: HttpRequest, token: str) -> HttpResponse:
             request, "login" if state == "confirm" else state, link=link,
             status=_LINK_STATUS.get(state, 200),
         )
-    if request.method == "GET":
+    if request.method != "POST":
         state = _link_state(link)
         return _link_page(request, state, link=link, status=_LINK_STATUS[state])
 

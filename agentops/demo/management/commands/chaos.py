@@ -743,8 +743,9 @@ class Harness:
 
         proven = {kill.boundary for kill in self.kills if kill.boundary and kill.proven}
         boundaries_killed = [name for name in BOUNDARIES if name in proven]
+        # per kill: until the first run it held was claimed again, recovered
         recovery_times = [
-            seconds for kill in self.kills for seconds in kill.recovered_after.values()
+            min(kill.recovered_after.values()) for kill in self.kills if kill.recovered_after
         ]
         succeeded = sum(1 for run in runs.values() if run.status == Run.Status.SUCCEEDED)
         missing = [name for name in self.opts.boundaries if name not in proven]
