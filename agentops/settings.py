@@ -218,8 +218,9 @@ AGENTOPS = {
     # read tools are retried this many times before the step fails
     "READ_MAX_ATTEMPTS": env_int("AGENTOPS_READ_MAX_ATTEMPTS", 3),
     # liveness canary: a worker whose cluster ran no task for FROZEN_AFTER while work waits
+    # is frozen. Longer than a slice, so one long task is not mistaken for a frozen cluster.
     "CANARY_INTERVAL": env_float("AGENTOPS_CANARY_INTERVAL", 5.0),
-    "FROZEN_AFTER": env_float("AGENTOPS_FROZEN_AFTER", 30.0),
+    "FROZEN_AFTER": env_float("AGENTOPS_FROZEN_AFTER", 90.0),
     # a worker identity whose heartbeat is older than this is dead
     "WORKER_STALE_AFTER": env_float("AGENTOPS_WORKER_STALE_AFTER", 15.0),
     "DEFAULT_MAX_STEPS": env_int("AGENTOPS_DEFAULT_MAX_STEPS", 100),

@@ -194,4 +194,6 @@ def _record(approval: Approval, kind: str, results: list[tuple[Any, str]]) -> No
                     error=error,
                 )
             else:
-                cp.event("approval.email_sent", approval=approval.id, kind=kind, to=user.get_username())
+                cp.event(
+                    "approval.email_sent", approval=approval.id, kind=kind, to=user.get_username()
+                )

@@ -27,9 +27,7 @@ class Inbox:
     tools: list[str]
 
 
-def approval_inbox(
-    *, user: Any, agent: str = "", tool: str = "", recent_limit: int = 25
-) -> Inbox:
+def approval_inbox(*, user: Any, agent: str = "", tool: str = "", recent_limit: int = 25) -> Inbox:
     """The signed-in approver's approvals: pending ones first (soonest to expire first),
     then the latest settled ones; optionally only one agent's or one tool's."""
     visible = _visible_to(user)

@@ -15,6 +15,7 @@ from django.utils import timezone
 from approvals import notify
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs.actors import Actor, PermissionDenied
+from runs.dbtime import db_now
 from runs.events import checkpoint
 from runs.models import ToolCall
 from runs.registry import UnknownTool, digest, registry
@@ -55,9 +56,9 @@ def _prepare_edit(tool_call_id: Any, edited: Any) -> _Edit | None:
     "keep the value I could not see". None when the edit changes nothing."""
     if not isinstance(edited, dict):
         raise InvalidArguments("the arguments must be a JSON object")
-    call = ToolCall.objects.only(
-        "tool_name", "tool_version", "arguments", "arguments_digest"
-    ).get(id=tool_call_id)
+    call = ToolCall.objects.only("tool_name", "tool_version", "arguments", "arguments_digest").get(
+        id=tool_call_id
+    )
     try:
         tool = registry.tool(call.tool_name)
     except UnknownTool:
@@ -114,7 +115,9 @@ def approval_decide(
         id=approval_id
     )
     edit = _prepare_edit(tool_call_id, edited_arguments) if edited_arguments is not None else None
-    with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+    # atomic() around the checkpoint: called inside a caller's transaction (an email link's,
+    # a test's), a refusal rolls back to a savepoint and leaves that transaction usable
+    with transaction.atomic(), checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
         approval = Approval.objects.select_for_update().get(id=approval_id)
         if approval.status != Approval.Status.PENDING:
             raise AlreadyDecided(f"this approval is already {approval.status}")
@@ -132,14 +135,15 @@ def approval_decide(
             if not comment.strip():
                 raise InvalidInput("a comment needs some text")
             ApprovalDecision.objects.create(
-                approval=approval, decider=user, channel=actor.channel, decision=decision,
+                approval=approval,
+                decider=user,
+                channel=actor.channel,
+                decision=decision,
                 comment=comment,
             )
             cp.event("approval.commented", approval=approval.id, by=actor.label, comment=comment)
             return approval
-        if approval.decisions.filter(
-            decider=user, decision__in=ApprovalDecision.DECIDING
-        ).exists():
+        if approval.decisions.filter(decider=user, decision__in=ApprovalDecision.DECIDING).exists():
             raise AlreadyDecided("you have already decided this approval")
         call = ToolCall.objects.select_related("step").get(id=approval.tool_call_id)
         edit_payload: dict[str, Any] = {}
@@ -215,7 +219,9 @@ def _apply_edit(approval: Approval, call: ToolCall, edit: _Edit) -> dict[str, An
     approval.arguments_masked = edit.masked
     approval.arguments_digest = edit.digest
     approval.precondition_fingerprint = edit.fingerprint
-    approval.save(update_fields=["arguments_masked", "arguments_digest", "precondition_fingerprint"])
+    approval.save(
+        update_fields=["arguments_masked", "arguments_digest", "precondition_fingerprint"]
+    )
     return {
         **original,
         "edited": True,
@@ -366,7 +372,8 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
                     allow_self_approval=approval.allow_self_approval,
                     require_login=approval.require_login,
                     on_expiry="reject",
-                    expires_at=timezone.now() + (approval.expires_at - approval.requested_at),
+                    # a fresh time to live from the policy, on the database's clock
+                    expires_at=db_now() + timedelta(seconds=tool.approval.ttl_seconds),
                 )
                 cp.event(
                     "approval.requested",
@@ -378,9 +385,7 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
                     escalated_from=approval.id,
                     expires_at=escalated.expires_at.isoformat(),
                 )
-                notify.links_create_and_email(
-                    approval=escalated, principal_id=cp.run.principal_id
-                )
+                notify.links_create_and_email(approval=escalated, principal_id=cp.run.principal_id)
                 return
         if call.status == ToolCall.Status.AWAITING_APPROVAL:
             toolcall_gate_settled(cp=cp, call=call, approved=False, reason="approval_expired")

@@ -104,8 +104,12 @@ def _arguments_json(arguments: Any) -> str:
 
 
 def _detail(
-    request: HtmxHttpRequest, approval_id: int, *, form: DecisionForm | None = None,
-    error: str = "", status: int = 200,
+    request: HtmxHttpRequest,
+    approval_id: int,
+    *,
+    form: DecisionForm | None = None,
+    error: str = "",
+    status: int = 200,
 ) -> HttpResponse:
     try:
         ctx = selectors.approval_context(approval_id=approval_id)
@@ -237,7 +241,9 @@ def approval_link(request: HttpRequest, token: str) -> HttpResponse:
             return redirect_to_login(request.get_full_path())
         state = _link_state(link)
         return _link_page(
-            request, "login" if state == "confirm" else state, link=link,
+            request,
+            "login" if state == "confirm" else state,
+            link=link,
             status=_LINK_STATUS.get(state, 200),
         )
     if request.method != "POST":
@@ -252,14 +258,19 @@ def approval_link(request: HttpRequest, token: str) -> HttpResponse:
         )
     if decision == ApprovalDecision.Decision.REJECT and not comment:
         return _link_page(
-            request, "confirm", link=link, status=400,
+            request,
+            "confirm",
+            link=link,
+            status=400,
             error="Give a reason to reject: the agent receives it.",
         )
     try:
         approval_link_decide(token=token, decision=decision, comment=comment, user=request.user)
     except (LinkUsed, AlreadyDecided) as exc:
         link = approval_link_get(token)
-        return _link_page(request, _link_state(link), link=link, status=409, error=str(exc))
+        state = _link_state(link)
+        status = 410 if state in ("expired", "cancelled") else 409
+        return _link_page(request, state, link=link, status=status, error=str(exc))
     except ApprovalExpired as exc:
         return _link_page(request, "expired", link=link, status=410, error=str(exc))
     except PermissionDenied as exc:

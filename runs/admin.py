@@ -8,7 +8,17 @@ from django.template.response import TemplateResponse
 from django.utils import timezone
 
 from runs.actors import Actor, PermissionDenied
-from runs.models import ApiToken, Run, RunEvent, Step, ToolCall, ToolReceipt, Worker
+from runs.models import (
+    ApiToken,
+    Question,
+    Run,
+    RunEvent,
+    Signal,
+    Step,
+    ToolCall,
+    ToolReceipt,
+    Worker,
+)
 from runs.services import InvalidInput, InvalidState, run_terminate
 from runs.tokens import api_token_create, api_token_revoke
 
@@ -60,6 +70,20 @@ class StepAdmin(ReadOnlyAdmin):
     list_display = ["run", "seq", "kind", "status", "incarnation", "created_at"]
     list_filter = ["kind", "status"]
     search_fields = ["=run__id"]
+
+
+@admin.register(Signal)
+class SignalAdmin(ReadOnlyAdmin):
+    list_display = ["name", "run", "idempotency_key", "sent_by", "received_at", "consumed_at"]
+    list_filter = ["name", "channel"]
+    search_fields = ["=run__id", "name", "idempotency_key"]
+
+
+@admin.register(Question)
+class QuestionAdmin(ReadOnlyAdmin):
+    list_display = ["id", "run", "group", "status", "asked_at", "expires_at", "answered_by"]
+    list_filter = ["status", "group", "channel"]
+    search_fields = ["=run__id", "text"]
 
 
 @admin.register(ToolCall)

@@ -92,8 +92,14 @@ class RunListFilterSerializer(serializers.Serializer):
     agent = serializers.CharField(max_length=100, required=False)
 
 
+REASON_HELP = "Empty, or why the run stopped or needs a person: " + ", ".join(Run.Reason.values)
+
+
 class RunSummarySerializer(serializers.ModelSerializer):
     agent = serializers.CharField(source="agent_name")
+    # a plain string: the empty value is not one of the choices, and read-only model fields
+    # would be documented as the bare enum
+    reason_code = serializers.CharField(help_text=REASON_HELP)
 
     class Meta:
         model = Run
@@ -128,6 +134,10 @@ class RunBudgetOutputSerializer(serializers.Serializer):
 
 class RunSerializer(serializers.ModelSerializer):
     agent = serializers.CharField(source="agent_name")
+    reason_code = serializers.CharField(help_text=REASON_HELP)
+    requested_action = serializers.CharField(
+        help_text="Empty, or pause/terminate asked of the process holding the lease."
+    )
     principal = serializers.SerializerMethodField()
     budget = RunBudgetOutputSerializer(source="*")
     usage = RunUsageSerializer(source="*")

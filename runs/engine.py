@@ -15,7 +15,7 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -27,7 +27,7 @@ from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import services, transitions
+from runs import services, transitions, waits
 from runs.dbtime import db_now
 from runs.events import Checkpoint, LeaseLost, checkpoint, lease_expiry_expression
 from runs.gate import GateRefused, gate_installed, get_gate
@@ -35,6 +35,7 @@ from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.queue import enqueue_on_commit
 from runs.registry import (
     Agent,
+    AskQuestion,
     CallTool,
     DecisionContext,
     Effect,
@@ -42,6 +43,7 @@ from runs.registry import (
     Finish,
     LookupResult,
     OutcomeUnknown,
+    Sleep,
     StepView,
     Tool,
     ToolContext,
@@ -49,6 +51,7 @@ from runs.registry import (
     ToolResult,
     UnknownAgent,
     UnknownTool,
+    WaitForSignal,
     digest,
     registry,
 )
@@ -112,10 +115,9 @@ class Outcome:
 def claim(run_id: Any, *, worker: str) -> Lease | None:
     """Take the lease with one compare-and-set UPDATE in database time. Returns None when the
     run is not runnable or someone else holds a live lease (a duplicate wake-up)."""
+    # runnable, or waiting with its timer or timeout due (docs/waits.md)
     observed = (
-        Run.objects.filter(id=run_id, status__in=Run.RUNNABLE)
-        .values_list("fence", "status")
-        .first()
+        Run.objects.filter(waits.claimable(), id=run_id).values_list("fence", "status").first()
     )
     if observed is None:
         return None
@@ -123,7 +125,7 @@ def claim(run_id: Any, *, worker: str) -> Lease | None:
     recovered = status == Run.Status.RUNNING  # its last holder never released it
     with transaction.atomic():
         taken = (
-            Run.objects.filter(id=run_id, fence=fence, status__in=Run.RUNNABLE)
+            Run.objects.filter(waits.claimable(), id=run_id, fence=fence)
             .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now()))
             .filter(Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
             .update(
@@ -180,6 +182,20 @@ def advance(run_id: Any, *, worker: str) -> str:
         return "lease_lost"
 
 
+# Set by ``runworker`` when it is asked to stop: a slice in progress then yields at its next
+# step boundary instead of running out its step and time budget, so a worker stops promptly.
+def _never() -> bool:
+    return False
+
+
+_stop_requested: Callable[[], bool] = _never
+
+
+def set_stop_check(check: Callable[[], bool]) -> None:
+    global _stop_requested
+    _stop_requested = check
+
+
 def _drive(lease: Lease) -> str:
     if lease.agent is None:
         _park_needs_attention(
@@ -214,7 +230,11 @@ def _drive(lease: Lease) -> str:
         if outcome == Outcome.PARKED:
             return "parked"
         advanced += 1
-        if advanced >= _conf("SLICE_STEPS") or time.monotonic() - started > _conf("SLICE_SECONDS"):
+        if (
+            advanced >= _conf("SLICE_STEPS")
+            or time.monotonic() - started > _conf("SLICE_SECONDS")
+            or _stop_requested()
+        ):
             _yield(lease)
             return "yielded"
 
@@ -379,6 +399,8 @@ def _decide(lease: Lease, action: Any) -> str:
         return Outcome.PARKED
     if isinstance(action, CallTool):
         return _decide_call(lease, action, seq)
+    if isinstance(action, WaitForSignal | Sleep | AskQuestion):
+        return _decide_wait(lease, action, seq)
     _finish(
         lease,
         Run.Status.FAILED,
@@ -502,6 +524,63 @@ def _decide_call(lease: Lease, action: CallTool, seq: int) -> str:
     if revoked or needs_approval:
         return Outcome.PARKED
     return _execute(lease, step, call, tool)
+
+
+def _decide_wait(lease: Lease, action: WaitForSignal | Sleep | AskQuestion, seq: int) -> str:
+    """``decided`` + ``run.waiting`` in one commit: the wait step, its question, and the run
+    parked in ``waiting_event`` with no lease. A signal that arrived before the wait began
+    (or a timer already due) ends it in this same commit: services lock the same run row,
+    so a signal is either seen here or finds the run waiting and wakes it."""
+    error = waits.validate(action)
+    if error:
+        with lease.checkpoint() as cp:
+            step = Step.objects.create(
+                run_id=lease.run.id,
+                seq=seq,
+                kind=Step.Kind.WAIT,
+                status=Step.Status.FAILED,
+                input={"wait": type(action).__name__, "refused": True},
+                error=error,
+                incarnation=lease.fence,
+                completed_at=timezone.now(),
+            )
+            cp.event("step.decided", seq=seq, kind=step.kind, refused=error)
+            cp.update(steps_used=F("steps_used") + 1)
+            cp.boundary("decided")
+        lease.run.steps_used += 1
+        lease.steps.append(step)
+        return Outcome.CONTINUE
+    spec, _wake_at = waits.spec(action, lease.now())
+    with lease.checkpoint() as cp:
+        step = Step.objects.create(
+            run_id=lease.run.id, seq=seq, kind=Step.Kind.WAIT, input=spec, incarnation=lease.fence
+        )
+        cp.event("step.decided", seq=seq, kind=step.kind, wait=spec)
+        cp.update(steps_used=F("steps_used") + 1)
+        cp.boundary("decided")
+        if isinstance(action, AskQuestion):
+            waits.question_create(cp, step=step)
+        ended = waits.end_wait_if_due(
+            cp, run=lease.run, agent=lease.agent, step=step, now=lease.now()
+        )
+        if not ended:
+            waits.park(cp, step=step)
+    lease.run.steps_used += 1
+    lease.steps.append(step)
+    return Outcome.CONTINUE if ended else Outcome.PARKED
+
+
+def _continue_wait(lease: Lease, step: Step) -> str:
+    """An open wait found at claim: woken by a signal or an answer, by its timer or timeout,
+    or by a recovery. What ends it is read from the record; if nothing does yet, the run
+    parks again (a duplicate wake-up costs one commit, never a lost wait)."""
+    with lease.checkpoint() as cp:
+        ended = waits.end_wait_if_due(
+            cp, run=lease.run, agent=lease.agent, step=step, now=lease.now()
+        )
+        if not ended:
+            waits.park(cp, step=step, again=True)
+    return Outcome.CONTINUE if ended else Outcome.PARKED
 
 
 def _family_call(run: Run, idempotency_key: str) -> ToolCall | None:
@@ -636,6 +715,8 @@ def _mark_dispatching(cp, call: ToolCall, lease: Lease) -> None:
 
 
 def _continue_step(lease: Lease, step: Step) -> str:
+    if step.kind == Step.Kind.WAIT:
+        return _continue_wait(lease, step)
     if step.kind != Step.Kind.TOOL_CALL:
         _fail_step(lease, step, f"cannot continue a {step.kind} step")
         return Outcome.CONTINUE
@@ -808,7 +889,9 @@ def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
     needs_approval = tool.approval.requires_approval(call.arguments)
     try:
         with lease.checkpoint() as cp:
-            if needs_approval and call.status == ToolCall.Status.APPROVED:
+            if call.status == ToolCall.Status.APPROVED:
+                # approved calls always use their approval up, even when an edit brought the
+                # arguments below the policy's threshold: an approval is never left to reuse
                 get_gate().consume(cp=cp, call=call, tool=tool)
             elif needs_approval and call.attempt_count == 0:
                 raise GateRefused("the call needs an approval it does not have")

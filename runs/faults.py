@@ -2,11 +2,13 @@
 
 With ``AGENTOPS_CRASH_AT=<boundary>[:<n>]`` set, the worker SIGKILLs its whole ``runworker``
 process group right after the commit that contains the n-th occurrence of that boundary in
-this process (default n=1). Inert when unset.
+that worker (default n=1) -- counted across all its cluster processes, which ``runworker``
+arranges with ``share_counts()`` before it forks them. Inert when unset.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import signal
 import sys
@@ -57,6 +59,8 @@ _lock = threading.Lock()
 _seen: dict[str, int] = {}
 _spec: CrashSpec | None = None
 _loaded = False
+# one counter for the whole process group, inherited by the processes forked after it exists
+_shared_count = None
 
 
 def _current_spec() -> CrashSpec | None:
@@ -73,19 +77,37 @@ def _current_spec() -> CrashSpec | None:
 
 def reset() -> None:
     """Forget the parsed spec and counts (tests change the environment)."""
-    global _loaded
+    global _loaded, _shared_count
     with _lock:
         _seen.clear()
         _loaded = False
+        _shared_count = None
+
+
+def share_counts() -> None:
+    """Count occurrences across every process forked from this one from now on (the
+    django-q2 cluster runs tasks in several processes; ``:n`` means the worker's n-th)."""
+    global _shared_count
+    if _current_spec() is not None:
+        _shared_count = multiprocessing.get_context("fork").Value("i", 0)
+
+
+def _count(boundary: str) -> int:
+    shared = _shared_count
+    if shared is not None:
+        with shared.get_lock():
+            shared.value += 1
+            return shared.value
+    with _lock:
+        _seen[boundary] = _seen.get(boundary, 0) + 1
+        return _seen[boundary]
 
 
 def crash_point(boundary: str) -> None:
     spec = _current_spec()
     if spec is None or spec.boundary != boundary:
         return
-    with _lock:
-        _seen[boundary] = _seen.get(boundary, 0) + 1
-        hit = _seen[boundary] == spec.occurrence
+    hit = _count(boundary) == spec.occurrence
     if hit:
         sys.stderr.write(f"AGENTOPS_CRASH_AT: killing process group at {boundary}\n")
         sys.stderr.flush()

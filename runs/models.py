@@ -89,6 +89,9 @@ class Run(models.Model):
     requested_reason = models.TextField(blank=True)
 
     trace_id = models.CharField(max_length=32, default="", editable=False)
+    # LLM-backed agents: the model id is pinned on the run when it starts (DESIGN §5.2);
+    # a later settings change does not move a live run to another model.
+    model_id = models.CharField(max_length=200, blank=True)
     root_run = models.ForeignKey(
         "self", null=True, blank=True, on_delete=models.PROTECT, related_name="descendants"
     )
@@ -121,6 +124,12 @@ class Run(models.Model):
             models.Index(fields=["status", "-created_at"], name="run_status_created_idx"),
             models.Index(fields=["agent_name", "-created_at"], name="run_agent_created_idx"),
             models.Index(fields=["lease_owner"], name="run_lease_owner_idx"),
+            # the sweeper: waits whose timer or timeout fell due (runs.waits.claimable)
+            models.Index(
+                fields=["wake_at"],
+                name="run_wait_due_idx",
+                condition=Q(status="waiting_event"),
+            ),
         ]
 
     def __str__(self) -> str:
@@ -255,6 +264,87 @@ class ToolReceipt(models.Model):
 
     def __str__(self) -> str:
         return f"receipt {self.outcome} for {self.tool_call_id}"
+
+
+class Signal(models.Model):
+    """A named message to a run (``runs.waits.run_signal``). Kept until a wait for its name
+    consumes it: one that arrives before the wait begins is not lost. Consumed once, in the
+    same commit that completes the wait step."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="signals")
+    name = models.CharField(max_length=100)
+    payload = models.JSONField(null=True, blank=True)
+    # the sender's retry key: a second signal with the same key is the same signal
+    idempotency_key = models.CharField(max_length=200, blank=True)
+    sent_by = models.CharField(max_length=200)
+    channel = models.CharField(max_length=20)
+    received_at = models.DateTimeField(auto_now_add=True)
+    consumed_at = models.DateTimeField(null=True, blank=True)
+    consumed_by_step = models.OneToOneField(
+        Step, null=True, blank=True, on_delete=models.SET_NULL, related_name="consumed_signal"
+    )
+
+    class Meta:
+        ordering = ["run", "received_at", "id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["run", "idempotency_key"],
+                name="signal_run_key_uniq",
+                condition=~Q(idempotency_key=""),
+            )
+        ]
+        indexes = [
+            models.Index(
+                fields=["run", "name", "id"],
+                name="signal_unconsumed_idx",
+                condition=Q(consumed_at__isnull=True),
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"signal {self.name} to {self.run_id}"
+
+
+class Question(models.Model):
+    """A question an agent asked people (the ``AskQuestion`` wait). The first valid answer
+    wins (``runs.waits.question_answer``); unanswered at ``expires_at``, the agent gets the
+    default."""
+
+    class Status(models.TextChoices):
+        OPEN = "open"
+        ANSWERED = "answered"
+        EXPIRED = "expired"
+        CANCELLED = "cancelled"
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="questions")
+    step = models.OneToOneField(Step, on_delete=models.CASCADE, related_name="question")
+    text = models.TextField()
+    # null: free text; otherwise the answer must be one of these
+    choices = models.JSONField(null=True, blank=True)
+    group = models.CharField(max_length=150)
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.OPEN)
+    asked_at = models.DateTimeField(auto_now_add=True)
+    expires_at = models.DateTimeField()
+    default = models.JSONField(null=True, blank=True)
+    answer = models.JSONField(null=True, blank=True)
+    answered_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
+    )
+    channel = models.CharField(max_length=20, blank=True)
+    answered_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-asked_at"]
+        indexes = [
+            models.Index(
+                fields=["group", "expires_at"],
+                name="question_open_idx",
+                condition=Q(status="open"),
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"question {self.id} ({self.status})"
 
 
 class AppendOnlyError(Exception):
@@ -426,3 +516,113 @@ class IdempotentRequest(models.Model):
 
     def __str__(self) -> str:
         return f"{self.key} → {self.run_id}"
+
+
+class AgentManifest(models.Model):
+    """A **remote** agent's manifest, registered through ``PUT /api/v1/agents/{name}/``.
+
+    Hosted agents live in code (``runs.registry``); remote agents live here, so every web
+    and worker process sees the same version. ``tools`` is a list of tool declarations
+    (name, version, argument schema, sensitive fields, effect, approval policy, timeout).
+    """
+
+    name = models.CharField(max_length=100, primary_key=True)
+    version = models.CharField(max_length=50)
+    input_schema = models.JSONField(default=dict, blank=True)
+    tools = models.JSONField(default=list, blank=True)
+    # version -> list of state migration descriptions (remote agents migrate their own state)
+    migrations = models.JSONField(default=dict, blank=True)
+    registered_by = models.CharField(max_length=200)
+    created_at = models.DateTimeField(auto_now_add=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+
+    def __str__(self) -> str:
+        return f"remote agent {self.name}@{self.version}"
+
+
+class AuditEntryQuerySet(models.QuerySet):
+    def update(self, **kwargs):
+        raise AppendOnlyError("audit entries are append-only")
+
+    def delete(self):
+        raise AppendOnlyError("audit entries are append-only")
+
+
+class AuditEntry(models.Model):
+    """An action outside any run (DESIGN §2): API token created or revoked, a remote agent's
+    manifest registered or changed, a user's roles changed, sign-ins and failed sign-ins.
+
+    Append-only like ``RunEvent`` (ORM guard here, a PostgreSQL trigger in the migration),
+    and chained: ``hash`` covers the fields, ``payload_digest`` and the previous entry's hash.
+    """
+
+    id = models.BigAutoField(primary_key=True)
+    created_at = models.DateTimeField(default=timezone.now, editable=False)
+    action = models.CharField(max_length=60)
+    actor = models.CharField(max_length=200)
+    channel = models.CharField(max_length=20, choices=RunEvent.Channel.choices)
+    ip_address = models.GenericIPAddressField(null=True, blank=True)
+    user_agent = models.TextField(blank=True)
+    object_type = models.CharField(max_length=60, blank=True)
+    object_id = models.CharField(max_length=200, blank=True)
+    before = models.JSONField(null=True, blank=True)
+    after = models.JSONField(null=True, blank=True)
+    payload_digest = models.CharField(max_length=64)
+    prev_hash = models.CharField(max_length=64)
+    hash = models.CharField(max_length=64, unique=True)
+
+    objects = AuditEntryQuerySet.as_manager()
+
+    class Meta:
+        ordering = ["-id"]
+        verbose_name_plural = "audit entries"
+        indexes = [
+            models.Index(fields=["action", "-created_at"], name="audit_action_created_idx"),
+            models.Index(fields=["actor", "-created_at"], name="audit_actor_created_idx"),
+            models.Index(fields=["-created_at"], name="audit_created_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.action} by {self.actor} at {self.created_at:%Y-%m-%d %H:%M:%S}"
+
+    def save(self, *args, **kwargs):
+        if not self._state.adding:
+            raise AppendOnlyError("audit entries are append-only")
+        super().save(*args, **kwargs)
+
+    def delete(self, *args, **kwargs):
+        raise AppendOnlyError("audit entries are append-only")
+
+
+class Alert(models.Model):
+    """One operator alert per cause (a run entering ``needs_attention``, a worker that
+    stopped heartbeating): emailed and sent to webhooks once, however often pages refresh."""
+
+    class Kind(models.TextChoices):
+        RUN_NEEDS_ATTENTION = "run_needs_attention"
+        WORKER_STOPPED = "worker_stopped"
+        NO_LIVE_WORKER = "no_live_worker"
+
+    # e.g. "run_needs_attention:<run id>:<event seq>" or "worker_stopped:<name>:<boot id>"
+    cause = models.CharField(max_length=300, unique=True)
+    kind = models.CharField(max_length=30, choices=Kind.choices)
+    run = models.ForeignKey(Run, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    worker_name = models.CharField(max_length=200, blank=True)
+    detail = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    notified_at = models.DateTimeField(null=True, blank=True)
+    resolved_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [
+            models.Index(
+                fields=["created_at"], name="alert_unnotified_idx", condition=Q(notified_at=None)
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"alert {self.cause}"

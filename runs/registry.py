@@ -10,6 +10,7 @@ import hashlib
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from enum import StrEnum
 from typing import Any
 
@@ -171,7 +172,42 @@ class Fail:
     reason: str
 
 
-Action = CallTool | Finish | Fail
+# --- waits (docs/waits.md): the run parks in ``waiting_event`` with no lease held --------------
+
+
+@dataclass(frozen=True)
+class WaitForSignal:
+    """Wait for the signal ``name`` (``runs.waits.run_signal``). A signal sent before the
+    wait began is delivered at once. The step's output is the signal's payload, or
+    ``default`` when ``timeout_seconds`` pass first (None: wait for ever)."""
+
+    name: str
+    timeout_seconds: float | None = None
+    default: Any = None
+
+
+@dataclass(frozen=True)
+class Sleep:
+    """Wait until a time (timezone-aware ``until``) or for ``seconds``; exactly one."""
+
+    until: datetime | None = None
+    seconds: float | None = None
+
+
+@dataclass(frozen=True)
+class AskQuestion:
+    """Ask people in ``group`` a question: free text, or one of ``choices``. The step's
+    output is the answer, or ``default`` when nobody answered within ``ttl_seconds``."""
+
+    text: str
+    choices: Sequence[str] | None = None
+    group: str = "operator"
+    ttl_seconds: float = 24 * 3600
+    default: Any = None
+
+
+Wait = WaitForSignal | Sleep | AskQuestion
+Action = CallTool | Finish | Fail | WaitForSignal | Sleep | AskQuestion
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from typing import Any
 
 from django.db.models import Count, QuerySet
 
-from runs.models import Run, ToolCall
+from runs.models import Question, Run, Step, ToolCall
 
 # what the runs list shows; nothing else is loaded (state, input and result can be large)
 _LIST_FIELDS = (
@@ -64,3 +64,47 @@ def toolcalls_for_api(*, status: str | None = None, run: Any = None) -> QuerySet
     if run is not None:
         calls = calls.filter(run_id=run)
     return calls
+
+
+# --- waits (docs/waits.md) ------------------------------------------------------------------------
+
+
+def question_inbox(*, user: Any, recent: int = 20) -> tuple[list[Question], list[Question]]:
+    """Open questions the user may answer (their groups; a superuser sees all), soonest to
+    expire first, and the most recently settled ones: two queries."""
+    questions = Question.objects.select_related("run", "answered_by").only(
+        "id",
+        "text",
+        "choices",
+        "group",
+        "status",
+        "asked_at",
+        "expires_at",
+        "answered_at",
+        "channel",
+        "run__id",
+        "run__agent_name",
+        "answered_by__username",
+    )
+    if not user.is_superuser:
+        questions = questions.filter(group__in=user.groups.values("name"))
+    open_ = list(questions.filter(status=Question.Status.OPEN).order_by("expires_at", "id"))
+    settled = list(
+        questions.exclude(status=Question.Status.OPEN).order_by("-asked_at", "-id")[:recent]
+    )
+    return open_, settled
+
+
+def question_get(*, question_id: Any) -> Question:
+    """One question with its run, step and who answered (Question.DoesNotExist if none)."""
+    return Question.objects.select_related("run", "step", "answered_by").get(id=question_id)
+
+
+def open_waits(*, run_id: Any) -> list[Step]:
+    """The run's open wait steps (at most one) with their question, for the timeline and
+    the API."""
+    return list(
+        Step.objects.filter(run_id=run_id, kind=Step.Kind.WAIT, status=Step.Status.PENDING)
+        .select_related("question")
+        .order_by("seq")
+    )

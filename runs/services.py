@@ -20,7 +20,7 @@ from runs import transitions
 from runs.actors import Actor
 from runs.events import Checkpoint, checkpoint
 from runs.gate import get_gate
-from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.models import Question, Run, Step, ToolCall, ToolReceipt
 from runs.queue import enqueue_on_commit
 from runs.registry import Effect, UnknownAgent, UnknownTool, registry
 
@@ -145,6 +145,11 @@ def apply_terminate(
             idempotency_key=call.idempotency_key,
             error=call.last_error,
         )
+    # an open question is withdrawn: nobody may answer for a run that will never read it
+    for question in Question.objects.filter(run_id=run_id, status=Question.Status.OPEN):
+        question.status = Question.Status.CANCELLED
+        question.save(update_fields=["status"])
+        cp.event("question.cancelled", question_id=question.id, reason="run_terminated")
     Step.objects.filter(run_id=run_id, status=Step.Status.PENDING).update(
         status=Step.Status.FAILED, error="run terminated", completed_at=timezone.now()
     )

@@ -18,6 +18,7 @@ from django.db.models.functions import Now
 
 from runs.models import Run
 from runs.queue import enqueue_run
+from runs.waits import claimable
 
 log = logging.getLogger(__name__)
 
@@ -30,10 +31,11 @@ def register_sweep_hook(hook: Callable[[], None]) -> None:
 
 
 def runnable_orphans(limit: int = 500) -> list:
-    """Runnable runs with a free or expired lease, due, and not enqueued recently."""
+    """Claimable runs with a free or expired lease, due, and not enqueued recently."""
     requeue_after = timedelta(seconds=settings.AGENTOPS["REQUEUE_AFTER"])
     return list(
-        Run.objects.filter(status__in=Run.RUNNABLE)
+        # runnable, or waiting with a timer or timeout that fell due (also while no worker ran)
+        Run.objects.filter(claimable())
         .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now()))
         .filter(Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
         .filter(Q(enqueued_at__isnull=True) | Q(enqueued_at__lt=Now() - requeue_after))

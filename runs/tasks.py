@@ -19,7 +19,11 @@ def advance_run(run_id: str) -> str:
     name = current_worker_name()
     # proof of life for the liveness check: this worker's cluster runs tasks
     Worker.objects.filter(name=name).update(last_task_at=Now())
-    return engine.advance(run_id, worker=name)
+    try:
+        return engine.advance(run_id, worker=name)
+    finally:
+        # and again at the end: a long slice is not idleness
+        Worker.objects.filter(name=name).update(last_task_at=Now())
 
 
 def canary(origin: str) -> None:

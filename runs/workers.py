@@ -112,8 +112,10 @@ def check_liveness(
 
 
 def identity_release(name: str, boot_id: uuid.UUID) -> None:
-    Worker.objects.filter(name=name, boot_id=boot_id).update(
+    released = Worker.objects.filter(name=name, boot_id=boot_id).update(
         health=Worker.Health.STOPPED, heartbeat_at=Now()
     )
-    # anything we still held is free for others at once
-    Run.objects.filter(lease_owner=name, status__in=Run.RUNNABLE).update(lease_expires_at=None)
+    if released:
+        # anything we still held is free for others at once. Only while the name is still
+        # ours: if another process took it over, these leases are that process's now.
+        Run.objects.filter(lease_owner=name, status__in=Run.RUNNABLE).update(lease_expires_at=None)

@@ -116,3 +116,14 @@ def roles():
             group.permissions.add(
                 Permission.objects.get(content_type__app_label=app_label, codename=codename)
             )
+
+
+@pytest.fixture
+def worker_procs(tmp_path):
+    """Real ``runworker`` processes against the test database (``transaction=True`` tests);
+    every process group still alive when the test ends is SIGKILLed."""
+    from tests.runs.workerprocs import Workers
+
+    started = Workers(tmp_path)
+    yield started
+    started.cleanup()

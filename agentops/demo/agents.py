@@ -1,4 +1,5 @@
-"""Demo agents: a refund agent and a customer follow-up agent.
+"""Demo agents: a refund agent, a customer follow-up agent, and an onboarding agent that
+waits for a person's answer and for an external signal (docs/waits.md).
 
 They decide deterministically from the authoritative state and step history, so a resumed
 run makes the same decisions an uninterrupted one would have made.
@@ -9,7 +10,17 @@ from __future__ import annotations
 from typing import Any
 
 from agentops.demo.tools import ALL_TOOLS
-from runs.registry import Agent, CallTool, DecisionContext, Fail, Finish, StepView, registry
+from runs.registry import (
+    Agent,
+    AskQuestion,
+    CallTool,
+    DecisionContext,
+    Fail,
+    Finish,
+    StepView,
+    WaitForSignal,
+    registry,
+)
 
 
 class RefundAgent(Agent):
@@ -109,8 +120,71 @@ class FollowUpAgent(Agent):
         return Fail(f"unexpected step {last.seq}")
 
 
+class OnboardingAgent(Agent):
+    """Asks an operator which plan a new customer gets, then waits for the payment system's
+    ``payment_confirmed`` signal (``POST /api/v1/runs/{id}/signals/``). Neither wait holds a
+    worker. Unanswered, the plan defaults to ``starter``; with no payment signal in time the
+    customer is onboarded unpaid, for a person to follow up."""
+
+    name = "onboarding"
+    version = "1"
+    description = "Asks an operator to choose a plan, then waits for payment_confirmed."
+    tools = ()
+    PLANS = ("starter", "pro", "enterprise")
+    input_schema = {
+        "type": "object",
+        "properties": {
+            "customer": {"type": "string", "minLength": 1, "maxLength": 200},
+            "question_ttl_seconds": {"type": "number", "exclusiveMinimum": 0},
+            "payment_timeout_seconds": {"type": "number", "minimum": 0},
+        },
+        "required": ["customer"],
+        "additionalProperties": False,
+    }
+
+    def initial_state(self, input: Any) -> dict[str, Any]:
+        return {"plan": None, "payment": None}
+
+    def decide(self, ctx: DecisionContext) -> Any:
+        last = ctx.last_step
+        if last is None:
+            return AskQuestion(
+                text=f"Which plan should {ctx.input['customer']} start on?",
+                choices=list(self.PLANS),
+                group="operator",
+                ttl_seconds=ctx.input.get("question_ttl_seconds", 24 * 3600),
+                default="starter",
+            )
+        if last.kind != "wait" or last.status != "completed":
+            return Fail(f"unexpected step {last.seq}: {last.kind} {last.status} {last.error}")
+        if last.input.get("wait") == "question":
+            return WaitForSignal(
+                "payment_confirmed",
+                timeout_seconds=ctx.input.get("payment_timeout_seconds", 3 * 24 * 3600),
+                default={"confirmed": False},
+            )
+        payment = last.output if isinstance(last.output, dict) else {"confirmed": bool(last.output)}
+        return Finish(
+            {
+                "customer": ctx.input["customer"],
+                "plan": ctx.state.get("plan"),
+                "paid": payment.get("confirmed", True),
+                "payment": payment,
+            }
+        )
+
+    def apply(self, state: dict[str, Any], step: StepView) -> dict[str, Any]:
+        if step.kind == "wait" and step.status == "completed":
+            if step.input.get("wait") == "question":
+                state["plan"] = step.output
+            elif step.input.get("wait") == "signal":
+                state["payment"] = step.output
+        return state
+
+
 def register() -> None:
     for tool in ALL_TOOLS:
         registry.register_tool(tool)
     registry.register_agent(RefundAgent())
     registry.register_agent(FollowUpAgent())
+    registry.register_agent(OnboardingAgent())

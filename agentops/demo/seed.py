@@ -73,6 +73,10 @@ def demo_login_ensure() -> DemoLogin:
         if user is None:
             password = secrets.token_urlsafe(12)
             user = User.objects.create_user(username=DEMO_USERNAME, password=password)
+        if not user.email:
+            # approval emails go to approvers with an address (printed by the console backend)
+            user.email = f"{DEMO_USERNAME}@localhost"
+            user.save(update_fields=["email"])
         groups = list(Group.objects.filter(name__in=DEMO_GROUPS))
         if len(groups) != len(DEMO_GROUPS):
             # the roles come from a data migration; without them the login could see nothing
