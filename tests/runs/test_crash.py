@@ -124,6 +124,54 @@ def test_a_short_chaos_run_kills_at_every_boundary_and_breaks_no_invariant():
     assert report["max_recovery_seconds"] is not None
 
 
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_chaos_with_database_faults_keeps_every_invariant():
+    from django.db import connection
+
+    if connection.vendor != "postgresql":
+        pytest.skip("database faults use pg_terminate_backend: PostgreSQL only")
+    out = StringIO()
+    call_command(
+        "chaos",
+        runs=8,
+        random_kills=4,
+        boundaries="none",
+        db_faults=True,
+        timeout=150,
+        seed=7,
+        workers=2,
+        stdout=out,
+    )
+
+    report = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert report["db_connections_terminated"] > 0
+    assert report["duplicate_effects"] == 0
+    assert report["lost_runs"] == 0
+    assert report["double_consumed_approvals"] == 0
+    assert report["runs"] == report["succeeded"] == 8
+    assert not Run.objects.filter(status=Run.Status.RUNNING).exists()
+
+
+@pytest.mark.django_db
+def test_chaos_refuses_a_restart_command_without_database_faults():
+    from django.core.management.base import CommandError
+
+    with pytest.raises(CommandError, match="--pg-restart-cmd needs --db-faults"):
+        call_command("chaos", "--pg-restart-cmd", "true")
+
+
+@pytest.mark.django_db
+def test_chaos_refuses_database_faults_on_sqlite():
+    from django.core.management.base import CommandError
+    from django.db import connection
+
+    if connection.vendor != "sqlite":
+        pytest.skip("the refusal is for SQLite")
+    with pytest.raises(CommandError, match="--db-faults needs PostgreSQL"):
+        call_command("chaos", "--db-faults")
+
+
 @pytest.mark.django_db
 @pytest.mark.parametrize(
     ("arguments", "message"),

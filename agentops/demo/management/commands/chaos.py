@@ -80,6 +80,11 @@ NEEDS_COMPANY = ("approval_requested", "decided", "run_finished")
 assert sorted(KILL_ORDER) == sorted(BOUNDARIES)
 
 APPROVER_USERNAME = "chaos-approver"
+WORKER_APP = "agentops-chaos-worker"
+# --db-faults: a round of pg_terminate_backend every this many seconds (uniform), and for
+# this long into the drain, so runs still finish once the faults stop
+DB_FAULT_INTERVAL = (0.5, 2.5)
+DB_FAULT_DRAIN_SECONDS = 15.0
 REFUND_THRESHOLD_CENTS = 10_000  # agentops.demo.tools.REFUND_APPROVAL_THRESHOLD_CENTS
 # refunds take this long in the sandbox, so that kills land while calls are in flight
 REFUND_LATENCY_MS = 300
@@ -138,6 +143,8 @@ class Options:
     workers: int
     timeout: float
     seed: int
+    db_faults: bool = False
+    pg_restart_cmd: str = ""
 
 
 def parse_boundaries(value: str) -> list[str]:
@@ -248,6 +255,19 @@ class Command(BaseCommand):
             "--timeout", type=float, default=300.0, help="give up after this many seconds"
         )
         parser.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
+        parser.add_argument(
+            "--db-faults",
+            action="store_true",
+            help="PostgreSQL only: also terminate the workers' database connections "
+            "(pg_terminate_backend) every few seconds while runs are in flight",
+        )
+        parser.add_argument(
+            "--pg-restart-cmd",
+            default="",
+            metavar="CMD",
+            help="with --db-faults: a shell command that restarts PostgreSQL, run once "
+            "mid-way (e.g. 'sudo pg_ctlcluster 15 main restart'); never in CI",
+        )
 
     def handle(self, *args, **options):
         self.verbosity = options["verbosity"]
@@ -311,6 +331,13 @@ class Command(BaseCommand):
         if not timeout > 0:
             raise CommandError(f"--timeout must be a positive number of seconds, not {timeout}")
         seed = options["seed"] if options["seed"] is not None else random.randrange(1 << 30)
+        db_faults, pg_restart_cmd = options["db_faults"], options["pg_restart_cmd"].strip()
+        if pg_restart_cmd and not db_faults:
+            raise CommandError("--pg-restart-cmd needs --db-faults")
+        if db_faults and connection.vendor != "postgresql":
+            raise CommandError(
+                f"--db-faults needs PostgreSQL (pg_terminate_backend), not {connection.vendor}"
+            )
         return Options(
             runs=runs,
             random_kills=kills,
@@ -318,6 +345,8 @@ class Command(BaseCommand):
             workers=workers,
             timeout=timeout,
             seed=seed,
+            db_faults=db_faults,
+            pg_restart_cmd=pg_restart_cmd,
         )
 
     def _check_database(self) -> None:
@@ -378,6 +407,12 @@ class Harness:
         self.notes: list[str] = []
         self.keep_logs = False
         self.refunds: list[dict[str, Any]] = []
+        # database faults: connections terminated, PostgreSQL restarts, when the next is due
+        self.db_faults_until = 0.0
+        self.next_db_fault = 0.0
+        self.connections_terminated = 0
+        self.pg_restarts = 0
+        self.pg_restart_due = False
 
     # --- setup ------------------------------------------------------------------------------
 
@@ -473,7 +508,7 @@ class Harness:
             env.setdefault(key, value)
         env.update(
             {
-                "DATABASE_URL": self.db_url,
+                "DATABASE_URL": self._worker_db_url(),
                 "DJANGO_SETTINGS_MODULE": os.environ.get(
                     "DJANGO_SETTINGS_MODULE", "agentops.settings"
                 ),
@@ -486,6 +521,13 @@ class Harness:
             env["AGENTOPS_CRASH_AT"] = crash_at
             env["AGENTOPS_Q_WORKERS"] = "4" if crash_at in NEEDS_COMPANY else "1"
         return env
+
+    def _worker_db_url(self) -> str:
+        """On PostgreSQL the workers' connections carry an application_name, so the database
+        faults terminate theirs and never the harness's own."""
+        if connection.vendor != "postgresql":
+            return self.db_url
+        return f"{self.db_url}{'&' if '?' in self.db_url else '?'}application_name={WORKER_APP}"
 
     def _start(self, slot: int, crash_at: str | None = None) -> WorkerProcess:
         self.incarnations[slot] += 1
@@ -551,6 +593,7 @@ class Harness:
         if time.monotonic() > self.deadline:
             raise _Timeout
         self._approve_due()
+        self._db_fault_due()
         for slot, worker in list(self.workers.items()):
             if worker.crash_at is None and not worker.alive:
                 # an ordinary worker died on its own: that is a finding, and it is restarted
@@ -563,6 +606,51 @@ class Harness:
                     f"{worker.log_tail()}"
                 )
                 self._start(slot)
+
+    def _db_fault_due(self) -> None:
+        now = time.monotonic()
+        if not self.opts.db_faults or now > self.db_faults_until or now < self.next_db_fault:
+            return
+        self.next_db_fault = now + self.rng.uniform(*DB_FAULT_INTERVAL)
+        if self.pg_restart_due:
+            self.pg_restart_due = False
+            self._restart_postgres()
+            return
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = current_database() AND application_name = %s "
+                "AND pid <> pg_backend_pid()) AS killed",
+                [WORKER_APP],
+            )
+            terminated = cursor.fetchone()[0]
+        self.connections_terminated += terminated
+        if terminated:
+            self.out(f"terminated {terminated} worker database connection(s)", level=2)
+
+    def _restart_postgres(self) -> None:
+        """Once, mid-way: the operator's command restarts the server under everyone."""
+        self.out(f"restarting PostgreSQL: {self.opts.pg_restart_cmd}")
+        connection.close()
+        result = subprocess.run(
+            self.opts.pg_restart_cmd, shell=True, capture_output=True, text=True, timeout=120
+        )
+        if result.returncode != 0:
+            detail = (result.stderr or result.stdout).strip().splitlines()
+            raise RuntimeError(
+                f"--pg-restart-cmd failed ({result.returncode}): {detail[-1] if detail else ''}"
+            )
+        self.pg_restarts += 1
+        end = time.monotonic() + 60
+        while True:  # until the server accepts connections again
+            try:
+                connection.close()
+                connection.ensure_connection()
+                return
+            except DatabaseError:
+                if time.monotonic() > end:
+                    raise
+                time.sleep(0.5)
 
     def _sleep(self, seconds: float) -> None:
         end = time.monotonic() + seconds
@@ -654,12 +742,18 @@ class Harness:
         for slot in range(self.opts.workers):
             if slot not in self.workers or not self.workers[slot].alive:
                 self._start(slot)
+        if self.opts.db_faults:
+            # from now until a while into the drain; the restart half-way through the kills
+            self.db_faults_until = float("inf")
+            self.pg_restart_due = bool(self.opts.pg_restart_cmd) and not self.opts.random_kills
         kills = self.opts.random_kills
         for number in range(kills):
             # spread the held-back runs over the kills
             due = len(self.plans) - self.held_back + self.held_back * (number + 1) // kills
             self._create_runs(max(0, due - len(self.run_ids)))
             self._sleep(self.rng.uniform(0.3, 1.5))
+            if self.opts.pg_restart_cmd and number == kills // 2 and not self.pg_restarts:
+                self.pg_restart_due = True
             slot = self.rng.choice(sorted(self.workers))
             worker = self.workers[slot]
             kill = self._kill(worker)
@@ -671,6 +765,8 @@ class Harness:
 
     def _drain(self) -> None:
         self._create_runs(len(self.plans))
+        if self.opts.db_faults:
+            self.db_faults_until = time.monotonic() + DB_FAULT_DRAIN_SECONDS
         for slot in range(self.opts.workers):
             if slot not in self.workers or not self.workers[slot].alive:
                 self._start(slot)
@@ -793,6 +889,8 @@ class Harness:
             "approvals": approvals,
             "refunds": len(refunds),
             "unknown_outcomes": len(unknown_keys),
+            "db_connections_terminated": self.connections_terminated,
+            "pg_restarts": self.pg_restarts,
             "database": connection.vendor,
             "seed": self.opts.seed,
             "elapsed_seconds": round(time.monotonic() - self.started, 1),
