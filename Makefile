@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint chaos clean
+.PHONY: install run test lint chaos clean bench
 
 install: $(STAMP)
 
@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 # migrate, demo login + demo runs, then web + worker + sandbox together (Ctrl-C stops all)
 run: install
-	$(BIN)/python manage.py rundemo
+	DEBUG=$${DEBUG:-1} $(BIN)/python manage.py rundemo
 
 # the whole suite; set DATABASE_URL to run it on another database
 test: install
@@ -27,7 +27,14 @@ lint: install
 	$(BIN)/ruff format --check .
 
 chaos: install
-	$(BIN)/python manage.py chaos --runs 20 --random-kills 10
+	DEBUG=$${DEBUG:-1} $(BIN)/python manage.py chaos --runs 20 --random-kills 10
 
 clean:
 	rm -rf var
+
+# benchmarks against the physical limit, on PostgreSQL only (DATABASE_URL; it creates and drops
+# <name>_bench); production settings; BENCH_ARGS=--quick for small sizes (docs/benchmarks.md)
+bench: install
+	DEBUG=0 SECRET_KEY=$${SECRET_KEY:-bench-only-not-a-secret} \
+	ALLOWED_HOSTS=$${ALLOWED_HOSTS:-127.0.0.1,localhost} LOG_LEVEL=$${LOG_LEVEL:-WARNING} \
+	$(BIN)/python manage.py bench $(BENCH_ARGS)

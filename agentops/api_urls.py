@@ -7,10 +7,12 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitVie
 
 from approvals import api as approvals_api
 from runs import api as runs_api
+from runs.api import remote as remote_api
 
 v1 = [
     path("health/", runs_api.HealthApi.as_view(), name="health"),
     path("agents/", runs_api.AgentListApi.as_view(), name="agents"),
+    path("agents/<str:name>/", remote_api.AgentDetailApi.as_view(), name="agent"),
     path("runs/", runs_api.RunCollectionApi.as_view(), name="runs"),
     path("runs/<uuid:run_id>/", runs_api.RunDetailApi.as_view(), name="run"),
     path("runs/<uuid:run_id>/events/", runs_api.RunEventListApi.as_view(), name="run-events"),
@@ -24,7 +26,33 @@ v1 = [
         runs_api.RunRetryRecoveryApi.as_view(),
         name="run-retry-recovery",
     ),
+    path("runs/<uuid:run_id>/signals/", remote_api.SignalApi.as_view(), name="run-signals"),
+    # the remote-agent protocol (docs/remote-agents.md)
+    path("runs/<uuid:run_id>/lease/", remote_api.LeaseApi.as_view(), name="run-lease"),
+    path(
+        "runs/<uuid:run_id>/lease/heartbeat/",
+        remote_api.LeaseHeartbeatApi.as_view(),
+        name="run-lease-heartbeat",
+    ),
+    path(
+        "runs/<uuid:run_id>/lease/release/",
+        remote_api.LeaseReleaseApi.as_view(),
+        name="run-lease-release",
+    ),
+    path("runs/<uuid:run_id>/steps/", remote_api.StepApi.as_view(), name="run-steps"),
+    path("runs/<uuid:run_id>/tool-calls/", remote_api.ProposeApi.as_view(), name="run-tool-calls"),
+    path("runs/<uuid:run_id>/finish/", remote_api.FinishApi.as_view(), name="run-finish"),
     path("tool-calls/", runs_api.ToolCallListApi.as_view(), name="tool-calls"),
+    path(
+        "tool-calls/<int:tool_call_id>/dispatch/",
+        remote_api.DispatchApi.as_view(),
+        name="tool-call-dispatch",
+    ),
+    path(
+        "tool-calls/<int:tool_call_id>/receipt/",
+        remote_api.ReceiptApi.as_view(),
+        name="tool-call-receipt",
+    ),
     path(
         "tool-calls/<int:tool_call_id>/resolution/",
         runs_api.ToolCallResolutionApi.as_view(),

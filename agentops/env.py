@@ -7,6 +7,7 @@ process with one clear line instead of silently meaning something else.
 from __future__ import annotations
 
 import os
+from decimal import Decimal, InvalidOperation
 
 from django.core.exceptions import ImproperlyConfigured
 
@@ -66,3 +67,18 @@ def env_list(name: str, default: list[str]) -> list[str]:
     if value is None:
         return default
     return [item.strip() for item in value.split(",") if item.strip()]
+
+
+def env_decimal(name: str, default: str) -> Decimal:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        value = default
+    try:
+        number = Decimal(value)
+    except InvalidOperation:
+        raise ImproperlyConfigured(
+            f"environment variable {name}={value!r} is not a decimal number"
+        ) from None
+    if not number.is_finite() or number < 0:
+        raise ImproperlyConfigured(f"environment variable {name}={value!r} must be 0 or more")
+    return number

@@ -1,25 +1,35 @@
 """agentops settings: everything comes from the environment through typed helpers.
 
-Defaults are for development (`make run`): an embedded SQLite database in WAL mode under
-``var/``. Set ``DATABASE_URL`` for PostgreSQL (psycopg 3).
+Production is the default (``DEBUG=0``: ``SECRET_KEY`` and ``ALLOWED_HOSTS`` required, https
+only); ``DEBUG=1`` is development (`make run`). The database defaults to an embedded SQLite
+file in WAL mode under ``var/``; set ``DATABASE_URL`` for PostgreSQL (psycopg 3).
+docs/operations.md lists every variable.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import warnings
 from pathlib import Path
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
 
-from agentops.env import env_bool, env_float, env_int, env_list, env_str
+from agentops.env import env_bool, env_decimal, env_float, env_int, env_list, env_str
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = Path(env_str("AGENTOPS_VAR_DIR", str(BASE_DIR / "var")))
 
-DEBUG = env_bool("DEBUG", True)
+# Production is the default: DEBUG is off unless asked for (`make run`, `make chaos` and the
+# test settings set DEBUG=1), and then SECRET_KEY and ALLOWED_HOSTS must be given.
+DEBUG = env_bool("DEBUG", False)
 SECRET_KEY = env_str("SECRET_KEY", "dev-insecure-secret-key-change-me" if DEBUG else None)
-ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "testserver"])
+ALLOWED_HOSTS = env_list("ALLOWED_HOSTS", ["127.0.0.1", "localhost", "testserver"] if DEBUG else [])
+if not DEBUG and not ALLOWED_HOSTS:
+    raise ImproperlyConfigured(
+        "environment variable ALLOWED_HOSTS is required when DEBUG=0 "
+        "(comma-separated host names this server answers, e.g. agentops.example.com)"
+    )
 
 INSTALLED_APPS = [
     "django.contrib.admin",
@@ -35,12 +45,16 @@ INSTALLED_APPS = [
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "django_q",
+    "csp",
     "runs",
     "approvals",
     "agentops.demo",
 ]
 
 MIDDLEWARE = [
+    # /healthz, /healthz/workers, /metrics: answered before Host validation (probes and
+    # scrapers address machines by IP), each guarding itself (runs/health.py)
+    "runs.health.ProbeMiddleware",
     "django.middleware.security.SecurityMiddleware",
     # serves static/ (htmx, css) from the app server too, so `gunicorn` needs no web server
     # in front for them
@@ -51,8 +65,56 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    "csp.middleware.CSPMiddleware",
     "django_htmx.middleware.HtmxMiddleware",
+    # times on pages in the operator's timezone (the `tz` cookie set by static/js/timezone.js)
+    "runs.middleware.OperatorTimezoneMiddleware",
+    # a polling page whose session expired goes to the sign-in page as a whole
+    "runs.middleware.HtmxLoginRedirectMiddleware",
 ]
+
+# --- security (docs/operations.md, "Security settings") ------------------------------------
+# Off in development (plain http on 127.0.0.1); on by default in production. Each can be
+# overridden, e.g. SECURE_SSL_REDIRECT=0 when a proxy in front already redirects.
+SECURE_SSL_REDIRECT = env_bool("SECURE_SSL_REDIRECT", not DEBUG)
+SESSION_COOKIE_SECURE = env_bool("SESSION_COOKIE_SECURE", not DEBUG)
+CSRF_COOKIE_SECURE = env_bool("CSRF_COOKIE_SECURE", not DEBUG)
+SECURE_HSTS_SECONDS = env_int("SECURE_HSTS_SECONDS", 0 if DEBUG else 31_536_000)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", not DEBUG)
+SECURE_HSTS_PRELOAD = env_bool("SECURE_HSTS_PRELOAD", not DEBUG)
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+SECURE_CROSS_ORIGIN_OPENER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
+SESSION_COOKIE_HTTPONLY = True
+# TLS usually ends at a proxy or load balancer: name the header it sets (e.g.
+# X-Forwarded-Proto) so Django knows the original request was https. Only set this when the
+# proxy always sets or strips that header, or clients could claim https themselves.
+_proxy_ssl_header = env_str("SECURE_PROXY_SSL_HEADER", "")
+SECURE_PROXY_SSL_HEADER = (
+    ("HTTP_" + _proxy_ssl_header.upper().replace("-", "_"), "https") if _proxy_ssl_header else None
+)
+CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
+
+# Content-Security-Policy (django-csp): no inline script or style anywhere. Pages load
+# their JavaScript from static/js/, htmx is told not to inject its indicator <style>
+# (htmx-config meta in base.html), and Swagger UI loads its init script from a URL.
+_SELF, _NONE = "'self'", "'none'"
+CONTENT_SECURITY_POLICY = {
+    "DIRECTIVES": {
+        "default-src": [_SELF],
+        "script-src": [_SELF],
+        "style-src": [_SELF],
+        # data: for the favicon placeholder and Swagger UI's inline SVG icons
+        "img-src": [_SELF, "data:"],
+        "font-src": [_SELF],
+        "connect-src": [_SELF],
+        "object-src": [_NONE],
+        "base-uri": [_SELF],
+        "form-action": [_SELF],
+        "frame-ancestors": [_NONE],
+    }
+}
 
 ROOT_URLCONF = "agentops.urls"
 WSGI_APPLICATION = "agentops.wsgi.application"
@@ -168,6 +230,11 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
+    # OpenAPI links (create → read → act) and closed manifest schemas: runs/api/openapi.py
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "runs.api.openapi.add_links",
+    ],
     "ENUM_NAME_OVERRIDES": {
         "RunStatusEnum": "runs.models.Run.Status",
         "ToolCallStatusEnum": "runs.models.ToolCall.Status",
@@ -230,13 +297,82 @@ AGENTOPS = {
     # a pending approval's approvers are reminded once, this many seconds before it
     # expires (0: never); only approvals that live longer than this get a reminder
     "APPROVAL_REMINDER_BEFORE": env_float("AGENTOPS_APPROVAL_REMINDER_BEFORE", 3600.0),
+    # webhooks (runs.webhooks): callback URLs resolving to private, loopback or link-local
+    # addresses are refused unless inside one of these networks (e.g. "127.0.0.0/8")
+    "WEBHOOK_ALLOWED_NETWORKS": env_list("AGENTOPS_WEBHOOK_ALLOWED_NETWORKS", []),
+    # a failed delivery is retried after BACKOFF * 2^(attempt-1) seconds, MAX_ATTEMPTS in all
+    "WEBHOOK_BACKOFF": env_float("AGENTOPS_WEBHOOK_BACKOFF", 5.0),
+    "WEBHOOK_MAX_ATTEMPTS": env_int("AGENTOPS_WEBHOOK_MAX_ATTEMPTS", 8),
+    # retention (``manage.py prune``, docs/audit.md): terminal runs that ended longer ago
+    # than this have their bulky data emptied (events are kept); archived first to this
+    # directory when it is set
+    "PRUNE_TERMINAL_AFTER": env_str("AGENTOPS_PRUNE_TERMINAL_AFTER", "90d"),
+    "PRUNE_ARCHIVE_DIR": env_str("AGENTOPS_PRUNE_ARCHIVE_DIR", ""),
+    # how often (seconds) each worker's sweeper looks for alert causes (runs.alerts); each
+    # cause is emailed to operators once, however often it is seen
+    "ALERT_INTERVAL": env_float("AGENTOPS_ALERT_INTERVAL", 5.0),
+    # the dashboard's "needs me" list shows pending approvals expiring within this many seconds
+    "APPROVAL_EXPIRING_WITHIN": env_float("AGENTOPS_APPROVAL_EXPIRING_WITHIN", 3600.0),
+}
+
+# --- health and metrics (runs/health.py, docs/operations.md "Health and metrics") ---------
+# /metrics and /healthz/workers answer a client in ALLOWED_NETWORKS (a request that came
+# through a proxy, with X-Forwarded-For or Forwarded, never counts as one) or one presenting
+# `Authorization: Bearer <TOKEN>`. Neither set: nobody. /healthz is open (it says ok or not).
+AGENTOPS_METRICS = {
+    "TOKEN": env_str("AGENTOPS_METRICS_TOKEN", ""),
+    "ALLOWED_NETWORKS": env_list("AGENTOPS_METRICS_ALLOWED_NETWORKS", ["127.0.0.0/8", "::1/128"]),
+}
+try:
+    for _network in AGENTOPS_METRICS["ALLOWED_NETWORKS"]:
+        ipaddress.ip_network(_network, strict=False)
+except ValueError as exc:
+    raise ImproperlyConfigured(f"AGENTOPS_METRICS_ALLOWED_NETWORKS: {exc}") from None
+
+# json: one object per line with run id, incarnation, trace id, worker and boundary (for a
+# log shipper; the production default); human: a readable line (the development default)
+LOG_FORMAT = env_str("LOG_FORMAT", "human" if DEBUG else "json")
+if LOG_FORMAT not in ("json", "human"):
+    raise ImproperlyConfigured(f"LOG_FORMAT={LOG_FORMAT!r}: use json or human")
+# --- LLM-backed agents (runs/llm.py): any OpenAI-compatible Chat Completions API ----------
+AGENTOPS_LLM = {
+    # e.g. https://api.openai.com/v1; empty: no LLM agent is registered by the demo
+    "BASE_URL": env_str("AGENTOPS_LLM_BASE_URL", ""),
+    "API_KEY": env_str("AGENTOPS_LLM_API_KEY", ""),
+    # pinned on each new run (Run.model_id); changing it never moves a live run
+    "MODEL": env_str("AGENTOPS_LLM_MODEL", "gpt-4o-mini"),
+    # seconds for one request, and for all attempts of one decision together
+    "TIMEOUT": env_float("AGENTOPS_LLM_TIMEOUT", 60.0),
+    "DECISION_TIMEOUT": env_float("AGENTOPS_LLM_DECISION_TIMEOUT", 180.0),
+    # 429, 5xx, timeouts and connection errors: retried with exponential backoff and jitter
+    "MAX_RETRIES": env_int("AGENTOPS_LLM_MAX_RETRIES", 4),
+    "BACKOFF": env_float("AGENTOPS_LLM_BACKOFF", 1.0),
+    "MAX_BACKOFF": env_float("AGENTOPS_LLM_MAX_BACKOFF", 30.0),
+    # still failing after the retries: the run is released and asked again this much later
+    "POSTPONE": env_float("AGENTOPS_LLM_POSTPONE", 60.0),
+    # prices per million tokens, for the run's cost budget
+    "INPUT_PRICE": env_decimal("AGENTOPS_LLM_INPUT_PRICE", "0"),
+    "OUTPUT_PRICE": env_decimal("AGENTOPS_LLM_OUTPUT_PRICE", "0"),
+    "MAX_OUTPUT_TOKENS": env_int("AGENTOPS_LLM_MAX_OUTPUT_TOKENS", 1024),
+    # steps sent verbatim; older ones are condensed into a summary derived from the record
+    "HISTORY_STEPS": env_int("AGENTOPS_LLM_HISTORY_STEPS", 20),
 }
 
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "filters": {"run_context": {"()": "runs.logs.RunContextFilter"}},
+    "formatters": {
+        "human": {"()": "runs.logs.HumanFormatter"},
+        "json": {"()": "runs.logs.JsonFormatter"},
+    },
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": LOG_FORMAT,
+            "filters": ["run_context"],
+        }
+    },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
     "loggers": {
         "django-q": {"level": env_str("Q_LOG_LEVEL", "WARNING")},

@@ -4,9 +4,14 @@ from django.urls import include, path
 from django.views import defaults
 
 from agentops import api_urls
+from runs import health
 from runs.api_common import json_404, json_500
 
 urlpatterns = [
+    # probes and the Prometheus endpoint (runs/health.py, docs/operations.md)
+    path("healthz", health.healthz, name="healthz"),
+    path("healthz/workers", health.workers_health, name="healthz-workers"),
+    path("metrics", health.metrics_view, name="metrics"),
     path("admin/", admin.site.urls),
     path("accounts/login/", auth_views.LoginView.as_view(), name="login"),
     path("accounts/logout/", auth_views.LogoutView.as_view(), name="logout"),

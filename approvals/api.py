@@ -11,15 +11,37 @@ from rest_framework.views import APIView
 
 from approvals.models import Approval, ApprovalDecision
 from approvals.services import approval_decide
-from runs.api_common import ApiError, IdCursorPagination, actor_for, errors, has_perm
+from runs.api import _reject_null_characters
+from runs.api_common import (
+    ApiError,
+    IdCursorPagination,
+    QueryParamsSerializer,
+    actor_for,
+    errors,
+    has_perm,
+)
 
 
 class ApprovalDecisionSerializer(serializers.ModelSerializer):
     decider = serializers.CharField(source="decider.username")
+    edited_arguments = serializers.JSONField(
+        allow_null=True, help_text="Edit and approve: the arguments approved (masked)."
+    )
+    original_arguments = serializers.JSONField(
+        allow_null=True, help_text="Edit and approve: the arguments as proposed (masked)."
+    )
 
     class Meta:
         model = ApprovalDecision
-        fields = ["decider", "decision", "channel", "comment", "created_at"]
+        fields = [
+            "decider",
+            "decision",
+            "channel",
+            "comment",
+            "edited_arguments",
+            "original_arguments",
+            "created_at",
+        ]
         read_only_fields = fields
 
 
@@ -53,22 +75,29 @@ class ApprovalSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class ApprovalListFilterSerializer(serializers.Serializer):
+class ApprovalListFilterSerializer(QueryParamsSerializer):
     status = serializers.ChoiceField(choices=Approval.Status.choices, required=False)
     run = serializers.UUIDField(required=False)
 
 
 class ApprovalDecisionInputSerializer(serializers.Serializer):
-    # the contract's two decisions; comments that decide nothing are not part of the API yet
     decision = serializers.ChoiceField(choices=["approve", "reject"])
     comment = serializers.CharField(required=False, allow_blank=True, default="", max_length=2000)
     arguments = serializers.DictField(
         required=False,
-        help_text="Edit-and-approve is not supported through the API yet; sending it is refused.",
+        help_text="Edit and approve: the arguments to dispatch instead (validated against the "
+        'tool\'s schema; "***" in a sensitive field keeps the value you cannot see). The '
+        "original is recorded beside the edit.",
     )
 
     def validate_arguments(self, value):
-        raise serializers.ValidationError("editing arguments is not supported yet")
+        _reject_null_characters(value)
+        return value
+
+    def validate(self, data):
+        if "arguments" in data and data["decision"] != "approve":
+            raise serializers.ValidationError({"arguments": ["only an approval can edit them"]})
+        return data
 
 
 def _approvals():
@@ -127,6 +156,7 @@ class ApprovalDecideApi(APIView):
             approval_id=approval_id,
             decision=payload.validated_data["decision"],
             comment=payload.validated_data["comment"],
+            edited_arguments=payload.validated_data.get("arguments"),
             actor=actor_for(request),
         )
         return Response(ApprovalSerializer(_approvals().get(id=approval_id)).data)

@@ -17,3 +17,15 @@ class ApprovalsConfig(AppConfig):
 
         register_sweep_hook(approvals_expire_due)
         register_sweep_hook(approvals_remind_due)
+
+        # the console dashboard's "needs me" list shows approvals about to expire
+        from approvals.selectors import approvals_expiring_soon
+        from runs.selectors import register_attention_source
+
+        register_attention_source(approvals_expiring_soon)
+
+        # /metrics: approvals pending, overdue and settled (runs/metrics.py)
+        from approvals.metrics import collect_approvals
+        from runs.metrics import register_collector
+
+        register_collector(collect_approvals)

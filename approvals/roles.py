@@ -20,14 +20,28 @@ ROLE_PERMISSIONS: dict[str, list[str]] = {
         "approvals.view_approval",
         "approvals.decide_approval",
     ],
+    # reads everything (the admin site is theirs), changes nothing (approvals 0004)
     "auditor": [
         "runs.view_run",
         "runs.view_step",
         "runs.view_toolcall",
         "runs.view_toolreceipt",
         "runs.view_runevent",
+        "runs.view_signal",
+        "runs.view_question",
+        "runs.view_questionlink",
+        "runs.view_worker",
+        "runs.view_apitoken",
+        "runs.view_webhookdelivery",
+        "runs.view_idempotentrequest",
+        "runs.view_agentmanifest",
+        "runs.view_auditentry",
+        "runs.view_alert",
         "approvals.view_approval",
         "approvals.view_approvaldecision",
+        "approvals.view_approvallink",
+        "auth.view_user",
+        "auth.view_group",
     ],
     "admin": [
         "runs.view_run",
@@ -54,7 +68,10 @@ def sync_roles(apps) -> None:
         group, _ = Group.objects.get_or_create(name=role)
         for perm in perms:
             app_label, codename = perm.split(".")
-            permission = Permission.objects.get(
+            permission = Permission.objects.filter(
                 content_type__app_label=app_label, codename=codename
-            )
-            group.permissions.add(permission)
+            ).first()
+            # A model created by a later migration has no permission yet at this point of
+            # the migration history: the migration that comes after it grants it.
+            if permission is not None:
+                group.permissions.add(permission)

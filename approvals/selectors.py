@@ -109,3 +109,36 @@ def link_decision(*, link: ApprovalLink) -> ApprovalDecision | None:
         )
         .first()
     )
+
+
+def approvals_expiring_soon(limit: int) -> list[Any]:
+    """Pending approvals that expire within ``APPROVAL_EXPIRING_WITHIN`` seconds, soonest
+    first, for the console dashboard's "needs me" list (one query; registered in
+    ``ApprovalsConfig.ready`` so that ``runs`` never imports ``approvals``)."""
+    from datetime import timedelta
+
+    from django.conf import settings
+    from django.db.models.functions import Now
+    from django.urls import reverse
+
+    from runs.selectors import AttentionItem
+
+    within = timedelta(seconds=settings.AGENTOPS["APPROVAL_EXPIRING_WITHIN"])
+    approvals = (
+        Approval.objects.filter(status=Approval.Status.PENDING, expires_at__lte=Now() + within)
+        .select_related("run")
+        .only("id", "tool_name", "approver_group", "expires_at", "run__id", "run__agent_name")
+        .order_by("expires_at")[:limit]
+    )
+    return [
+        AttentionItem(
+            kind="approval_expiring",
+            title=f"Approve {approval.tool_name} ({approval.approver_group})",
+            url=reverse("approvals:detail", args=[approval.id]),
+            run_id=approval.run_id,
+            agent_name=approval.run.agent_name,
+            due_at=approval.expires_at,
+            permission="approvals.view_approval",
+        )
+        for approval in approvals
+    ]

@@ -200,8 +200,10 @@ def _link_page(
             seconds_left=max(0, int((approval.expires_at - timezone.now()).total_seconds())),
         )
     response = render(request, "approvals/link.html", context, status=status)
-    # the token is in the URL: keep it out of Referer headers and caches
-    response["Referrer-Policy"] = "no-referrer"
+    # the token is in the URL: keep it out of other sites' Referer headers and caches. Not
+    # "no-referrer": browsers then send "Origin: null" with the form's POST, which Django's
+    # CSRF check refuses (tests/browser/test_console.py opens a link in Chromium)
+    response["Referrer-Policy"] = "same-origin"
     response["X-Robots-Tag"] = "noindex, nofollow"
     return response
 

@@ -212,6 +212,27 @@ def errors(*codes: str, auth: bool = True) -> dict[int, OpenApiResponse]:
     }
 
 
+# --- query parameters --------------------------------------------------------------------------
+
+
+class QueryParamsSerializer(serializers.Serializer):
+    """Filters from the query string. DRF reads ``?run=`` (an empty value) of a form-style
+    input as "not given"; here it is refused for every field that is not free text, so a
+    client's empty filter is an error it sees rather than silently no filter."""
+
+    def to_internal_value(self, data):
+        empty = {
+            name: ["may not be empty"]
+            for name, field in self.fields.items()
+            if not isinstance(field, serializers.CharField)
+            and hasattr(data, "getlist")
+            and "" in data.getlist(name)
+        }
+        if empty:
+            raise exceptions.ValidationError(empty)
+        return super().to_internal_value(data)
+
+
 # --- pagination ----------------------------------------------------------------------------
 
 
@@ -220,6 +241,28 @@ class CreatedCursorPagination(pagination.CursorPagination):
     page_size_query_param = "limit"
     max_page_size = 200
     ordering = "-created_at"
+
+    def get_page_size(self, request):
+        # a limit that is not a number in range is bad input, not silently the default
+        raw = request.query_params.get(self.page_size_query_param)
+        if raw is None:
+            return self.page_size
+        try:
+            value = int(raw)
+        except ValueError:
+            value = 0
+        if not 1 <= value <= self.max_page_size:
+            raise exceptions.ValidationError(
+                {self.page_size_query_param: [f"an integer from 1 to {self.max_page_size}"]}
+            )
+        return value
+
+    def get_schema_operation_parameters(self, view):
+        parameters = super().get_schema_operation_parameters(view)
+        for parameter in parameters:
+            if parameter["name"] == self.page_size_query_param:
+                parameter["schema"].update(minimum=1, maximum=self.max_page_size)
+        return parameters
 
     def decode_cursor(self, request):
         # a malformed cursor is bad input, not a missing page

@@ -11,12 +11,13 @@ Never is a transaction or row lock held across a tool call, a lookup or an agent
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
@@ -27,17 +28,19 @@ from django.db.models import F, Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import services, transitions, waits
+from runs import fastsql, logs, services, tracing, transitions, waits
 from runs.dbtime import db_now
 from runs.events import Checkpoint, LeaseLost, checkpoint, lease_expiry_expression
 from runs.gate import GateRefused, gate_installed, get_gate
-from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.models import AgentManifest, Run, Step, ToolCall, ToolReceipt
 from runs.queue import enqueue_on_commit
 from runs.registry import (
     Agent,
     AskQuestion,
     CallTool,
+    Decision,
     DecisionContext,
+    DecisionPostponed,
     Effect,
     Fail,
     Finish,
@@ -51,6 +54,7 @@ from runs.registry import (
     ToolResult,
     UnknownAgent,
     UnknownTool,
+    Usage,
     WaitForSignal,
     digest,
     registry,
@@ -75,6 +79,8 @@ class Lease:
     steps: list[Step]
     claimed_db_time: datetime
     claimed_monotonic: float = field(default_factory=time.monotonic)
+    # what the decision being recorded cost (an LLM agent's tokens): written with it
+    decision_usage: Usage | None = None
 
     @property
     def actor(self) -> str:
@@ -88,15 +94,36 @@ class Lease:
     def checkpoint(self) -> Iterator[Checkpoint]:
         with checkpoint(self.run.id, actor=self.actor, channel="worker", fence=self.fence) as cp:
             yield cp
-        # operator requests arrive on the locked row; the loop honours them at its next turn
-        self.run.requested_action = cp.run.requested_action
-        self.run.requested_by = cp.run.requested_by
-        self.run.requested_reason = cp.run.requested_reason
-        # an operator may raise a budget while this process holds the lease
-        self.run.max_steps = cp.run.max_steps
-        self.run.max_cost = cp.run.max_cost
-        self.run.max_tokens = cp.run.max_tokens
-        self.run.deadline = cp.run.deadline
+            if self.decision_usage is not None and "decided" in cp.boundaries:
+                _record_decision_usage(cp, self, self.decision_usage)
+        if cp.boundaries:
+            log.info(
+                "checkpoint %s committed",
+                "+".join(cp.boundaries),
+                extra={
+                    "run_id": str(self.run.id),
+                    "incarnation": self.fence,
+                    "trace_id": self.run.trace_id,
+                    "worker": self.worker,
+                    "boundary": "+".join(cp.boundaries),
+                },
+            )
+        self.take_operator_changes(cp.run)
+
+    def take_operator_changes(self, locked: Run) -> None:
+        """What others may change under a live lease, read from the row the checkpoint
+        locked: an operator's request (honoured at the loop's next turn) and budget limits
+        (an operator may raise them)."""
+        for name in (
+            "requested_action",
+            "requested_by",
+            "requested_reason",
+            "max_steps",
+            "max_cost",
+            "max_tokens",
+            "deadline",
+        ):
+            setattr(self.run, name, getattr(locked, name))
 
     def open_step(self) -> Step | None:
         if self.steps and self.steps[-1].status == Step.Status.PENDING:
@@ -112,12 +139,28 @@ class Outcome:
 # --- claim -----------------------------------------------------------------------------------
 
 
-def claim(run_id: Any, *, worker: str) -> Lease | None:
+def _kind_filter(remote: bool) -> Q:
+    """Remote agents' runs are advanced only by agent processes through the API
+    (``runs.remote``), hosted ones only by workers: neither may claim the other's."""
+    remote_names = Q(agent_name__in=AgentManifest.objects.values("name"))
+    return remote_names if remote else ~remote_names
+
+
+def claim(
+    run_id: Any,
+    *,
+    worker: str,
+    remote: bool = False,
+    lease_type: type[Lease] = Lease,
+    on_claimed: Callable[[Run, bool], None] | None = None,
+) -> Lease | None:
     """Take the lease with one compare-and-set UPDATE in database time. Returns None when the
     run is not runnable or someone else holds a live lease (a duplicate wake-up)."""
     # runnable, or waiting with its timer or timeout due (docs/waits.md)
     observed = (
-        Run.objects.filter(waits.claimable(), id=run_id).values_list("fence", "status").first()
+        Run.objects.filter(waits.claimable(), _kind_filter(remote), id=run_id)
+        .values_list("fence", "status")
+        .first()
     )
     if observed is None:
         return None
@@ -125,7 +168,7 @@ def claim(run_id: Any, *, worker: str) -> Lease | None:
     recovered = status == Run.Status.RUNNING  # its last holder never released it
     with transaction.atomic():
         taken = (
-            Run.objects.filter(waits.claimable(), id=run_id, fence=fence)
+            Run.objects.filter(waits.claimable(), _kind_filter(remote), id=run_id, fence=fence)
             .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now()))
             .filter(Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
             .update(
@@ -141,11 +184,13 @@ def claim(run_id: Any, *, worker: str) -> Lease | None:
         if taken != 1:
             return None
         run = Run.objects.get(id=run_id)
+        if on_claimed is not None:
+            on_claimed(run, recovered)
         try:
             agent = registry.agent(run.agent_name)
         except UnknownAgent:
             agent = None
-        lease = Lease(
+        lease = lease_type(
             run=run,
             fence=run.fence,
             worker=worker,
@@ -172,14 +217,51 @@ def claim(run_id: Any, *, worker: str) -> Lease | None:
 def advance(run_id: Any, *, worker: str) -> str:
     """Claim the run and drive it for one slice. Safe to call any number of times, from any
     number of processes: only the lease holder writes."""
-    lease = claim(run_id, worker=worker)
-    if lease is None:
-        return "not_claimed"
+    with ExitStack() as stack:
+        spans: list[Any] = []
+
+        def incarnation_begins(run: Run, recovered: bool) -> None:
+            # one span per incarnation, in the run's one trace (runs/tracing.py), opened
+            # after the claim's UPDATE and before its run.claimed event, which it covers
+            spans.append(
+                stack.enter_context(
+                    tracing.incarnation_span(
+                        run_id=run.id,
+                        trace_id=run.trace_id,
+                        fence=run.fence,
+                        worker=worker,
+                        recovered=recovered,
+                        agent=run.agent_name,
+                    )
+                )
+            )
+
+        lease = claim(run_id, worker=worker, on_claimed=incarnation_begins)
+        if lease is None:
+            return "not_claimed"
+        try:
+            outcome = _drive(lease)
+        except LeaseLost as exc:
+            log.warning("run %s: %s; stopping this incarnation", run_id, exc)
+            _note_lease_lost(lease, str(exc))
+            outcome = "lease_lost"
+        tracing.set_outcome(spans[0] if spans else None, outcome)
+        return outcome
+
+
+def _note_lease_lost(lease: Lease, detail: str) -> None:
+    """Say in the record that this incarnation found its lease taken (a stall past the TTL,
+    a partition): an event only, unfenced, changing nothing the new holder relies on. Lease
+    losses in numbers are a sign of leases too short for the work (docs/operations.md)."""
+    from runs import metrics
+
+    metrics.LEASE_LOST_IN_PROCESS.inc()
     try:
-        return _drive(lease)
-    except LeaseLost as exc:
-        log.warning("run %s: %s; stopping this incarnation", run_id, exc)
-        return "lease_lost"
+        with checkpoint(lease.run.id, actor=lease.actor, channel="worker") as cp:
+            cp.event("run.lease_lost", worker=lease.worker, lost_fence=lease.fence, detail=detail)
+    except Exception:
+        # only a note: failing to write it must not turn a clean stop into a crash
+        log.exception("run %s: could not record the lost lease", lease.run.id)
 
 
 # Set by ``runworker`` when it is asked to stop: a slice in progress then yields at its next
@@ -197,6 +279,18 @@ def set_stop_check(check: Callable[[], bool]) -> None:
 
 
 def _drive(lease: Lease) -> str:
+    # every log line written while this incarnation drives the run says which it is
+    # (runs/logs.py): the engine's, a tool's, an HTTP client's
+    with logs.bind(
+        run_id=str(lease.run.id),
+        incarnation=lease.fence,
+        trace_id=lease.run.trace_id,
+        worker=lease.worker,
+    ):
+        return _drive_slice(lease)
+
+
+def _drive_slice(lease: Lease) -> str:
     if lease.agent is None:
         _park_needs_attention(
             lease,
@@ -342,13 +436,53 @@ def _advance_once(lease: Lease) -> str:
     if exhausted:
         _park_needs_attention(lease, Run.Reason.BUDGET_EXHAUSTED, exhausted)
         return Outcome.PARKED
+    # an agent that asks a remote model may take longer than half a lease: keep it renewed
+    keeper = _LeaseKeeper(lease) if getattr(lease.agent, "slow_decide", False) else nullcontext()
     try:
-        action = lease.agent.decide(_context(lease))
+        with keeper:
+            action = lease.agent.decide(_context(lease))
+    except DecisionPostponed as exc:
+        # Not the agent's fault (its model API is overloaded or down): try again later
+        # instead of failing the run. Budgets and the deadline still stop it.
+        wake_at = lease.now() + timedelta(seconds=max(exc.retry_after, 0.0))
+        with lease.checkpoint() as cp:
+            cp.event("agent.postponed", detail=_describe(exc), retry_in_seconds=exc.retry_after)
+            _release_in(cp, wake_at=wake_at)
+        return Outcome.PARKED
     except Exception as exc:
         # The agent's own code failed: a clear, recorded failure, never a crash loop.
         _finish(lease, Run.Status.FAILED, reason=Run.Reason.AGENT_FAILED, detail=_describe(exc))
         return Outcome.PARKED
-    return _decide(lease, action)
+    if isinstance(action, Decision):
+        # recorded in the decided commit (Lease.checkpoint), whatever the action turns out to be
+        action, lease.decision_usage = action.action, action.usage
+    try:
+        return _decide(lease, action)
+    finally:
+        lease.decision_usage = None
+
+
+def _record_decision_usage(cp: Checkpoint, lease: Lease, usage: Usage) -> None:
+    """Inside the ``decided`` commit: the step that commit creates carries the decision's
+    tokens and cost, the run's persisted usage grows by them, and ``step.decided`` says so."""
+    seq = max(
+        (event.payload.get("seq", 0) for event in cp.events if event.type == "step.decided"),
+        default=None,
+    )
+    if seq is None:
+        return
+    Step.objects.filter(run_id=lease.run.id, seq=seq).update(tokens=usage.tokens, cost=usage.cost)
+    cp.update(tokens_used=F("tokens_used") + usage.tokens, cost_used=F("cost_used") + usage.cost)
+    for event in cp.events:
+        if event.type == "step.decided":
+            event.payload["usage"] = json.loads(
+                json.dumps(
+                    {"tokens": usage.tokens, "cost": usage.cost, **usage.detail}, default=str
+                )
+            )
+    lease.run.tokens_used += usage.tokens
+    lease.run.cost_used += usage.cost
+    lease.decision_usage = None
 
 
 def _context(lease: Lease) -> DecisionContext:
@@ -432,7 +566,9 @@ def _rejected_call(lease: Lease, action: CallTool, seq: int, error: str) -> str:
     return Outcome.CONTINUE
 
 
-def _decide_call(lease: Lease, action: CallTool, seq: int) -> str:
+def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = True) -> str:
+    """``execute=False`` (remote agents): the call is recorded and left ``proposed`` for the
+    agent process to dispatch (``runs.remote``) instead of being called here."""
     run = lease.run
     if action.tool not in lease.agent.tools:
         return _rejected_call(
@@ -469,10 +605,13 @@ def _decide_call(lease: Lease, action: CallTool, seq: int) -> str:
             # system answer with the other call's result, so this branch starts its own key
             idempotency_key, sibling = f"{run.id}:{seq}", None
     if sibling is not None and not revoked:
-        return _decide_family_call(lease, seq, tool, arguments, masked, fingerprint, sibling)
+        return _decide_family_call(
+            lease, seq, tool, arguments, masked, fingerprint, sibling, execute=execute
+        )
 
     with lease.checkpoint() as cp:
-        step = Step.objects.create(
+        step = fastsql.create(
+            Step,
             run_id=run.id,
             seq=seq,
             kind=Step.Kind.TOOL_CALL,
@@ -517,12 +656,15 @@ def _decide_call(lease: Lease, action: CallTool, seq: int) -> str:
             cp.boundary("approval_requested")
         else:
             # decided + dispatching share this commit: both come before the side effect
-            _mark_dispatching(cp, call, lease)
-            call.save(force_insert=True)
+            if execute:
+                _mark_dispatching(cp, call, lease)
+            fastsql.insert(call)
     run.steps_used += 1
     lease.steps.append(step)
     if revoked or needs_approval:
         return Outcome.PARKED
+    if not execute:
+        return Outcome.CONTINUE
     return _execute(lease, step, call, tool)
 
 
@@ -603,6 +745,8 @@ def _decide_family_call(
     masked: dict[str, Any],
     fingerprint: str,
     sibling: ToolCall,
+    *,
+    execute: bool = True,
 ) -> str:
     """A fork decided the very call its family already made under this key. Its effect is
     never repeated blindly: a succeeded receipt is adopted; a dispatch without a receipt is
@@ -682,12 +826,16 @@ def _decide_family_call(
             cp.update(status=Run.Status.WAITING_APPROVAL, lease_owner="", lease_expires_at=None)
             cp.boundary("approval_requested")
         else:
-            _mark_dispatching(cp, call, lease)
-            call.save(force_insert=True)
+            if execute:
+                _mark_dispatching(cp, call, lease)
+            fastsql.insert(call)
     run.steps_used += 1
     lease.steps.append(step)
     if adopt:
         return Outcome.CONTINUE
+    if not execute:
+        # remote agents reconcile an in-doubt family call themselves (it is ``unknown``)
+        return Outcome.PARKED if needs_approval and not in_doubt else Outcome.CONTINUE
     if in_doubt:
         return _reconcile(lease, step, call, tool)
     if needs_approval:
@@ -853,9 +1001,10 @@ def _rebind_to_tool_version(lease: Lease, step: Step, call: ToolCall, tool: Tool
     return Outcome.PARKED if needs_approval else Outcome.CONTINUE
 
 
-def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
+def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: bool = True) -> str:
     """The ``dispatching`` boundary for an approved call or a re-dispatch with the same key:
-    attempt incremented, approval consumed, precondition re-checked, in one transaction."""
+    attempt incremented, approval consumed, precondition re-checked, in one transaction.
+    ``execute=False`` (remote agents): stop there; the agent process calls the tool."""
     revoked = _principal_refusal(lease, tool)
     if revoked:
         _pause_principal_revoked(lease, revoked)
@@ -911,6 +1060,8 @@ def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
                 raise LeaseLost(f"tool call {call.idempotency_key} changed under us")
     except GateRefused as exc:
         return _request_approval_again(lease, step, call, tool, str(exc))
+    if not execute:
+        return Outcome.CONTINUE
     return _execute(lease, step, call, tool)
 
 
@@ -1239,7 +1390,8 @@ def _finish(
     with lease.checkpoint() as cp:
         if seq is not None:
             kind = Step.Kind.FINISH if status == Run.Status.SUCCEEDED else Step.Kind.FAIL
-            step = Step.objects.create(
+            step = fastsql.create(
+                Step,
                 run_id=lease.run.id,
                 seq=seq,
                 kind=kind,

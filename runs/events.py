@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -19,12 +20,13 @@ from functools import partial
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
-from django.db.models import DateTimeField, ExpressionWrapper
+from django.db import connection, transaction
+from django.db.models import DateTimeField, ExpressionWrapper, F, Value
+from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import faults
+from runs import faults, metrics, tracing
 from runs.models import Run, RunEvent
 
 
@@ -38,7 +40,10 @@ class RunNotFound(LookupError):
 
 def lease_expiry_expression(seconds: float | None = None) -> ExpressionWrapper:
     ttl = settings.AGENTOPS["LEASE_TTL"] if seconds is None else seconds
-    return ExpressionWrapper(Now() + timedelta(seconds=ttl), output_field=DateTimeField())
+    expression = ExpressionWrapper(Now() + timedelta(seconds=ttl), output_field=DateTimeField())
+    # recognised by the checkpoint's own UPDATE (_update_run), which writes it without the ORM
+    expression.lease_ttl = float(ttl)
+    return expression
 
 
 def anchor_hash(run_id: Any) -> str:
@@ -90,6 +95,7 @@ class Checkpoint:
                 incarnation=self.fence if self.fence is not None else self.run.fence,
                 payload=payload,
                 trace_id=self.run.trace_id,
+                span_id=tracing.current_span_id(self.run.trace_id),
             )
         )
 
@@ -123,6 +129,117 @@ _LOCKED_FIELDS = (
 )
 
 
+# The hot path (docs/benchmarks.md): every step takes two checkpoints, and on PostgreSQL
+# building these two statements through the ORM cost more CPU than the database spent
+# executing them. Their SQL is built once from the models' metadata (so a new column is
+# picked up) and run through the connection's cursor (so query logging and execute
+# wrappers still see them). SQLite keeps the ORM: its values need the ORM's converters.
+_sql_cache: dict[str, Any] = {}
+
+
+def _raw_sql_ok() -> bool:
+    return connection.vendor == "postgresql"
+
+
+def _lock(run_id: Any, fence: int | None) -> Run | None:
+    """The run row, locked for this transaction (filtered on ``fence`` when given)."""
+    if not _raw_sql_ok():
+        query = Run.objects.select_for_update().only(*_LOCKED_FIELDS).filter(id=run_id)
+        if fence is not None:
+            query = query.filter(fence=fence)
+        return query.first()
+    key = "lock_fenced" if fence is not None else "lock"
+    if key not in _sql_cache:
+        # in the model's field order: Model.from_db() maps a partial row by that order
+        wanted = {Run._meta.get_field(name).attname for name in _LOCKED_FIELDS}
+        fields = [f for f in Run._meta.concrete_fields if f.attname in wanted]
+        columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
+        where = f"{connection.ops.quote_name('id')} = %s"
+        if fence is not None:
+            where += f" AND {connection.ops.quote_name('fence')} = %s"
+        _sql_cache[key] = (
+            f"SELECT {columns} FROM {connection.ops.quote_name(Run._meta.db_table)} "
+            f"WHERE {where} FOR UPDATE",
+            [f.attname for f in fields],
+        )
+    sql, attnames = _sql_cache[key]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, [run_id] if fence is None else [run_id, fence])
+        row = cursor.fetchone()
+    return None if row is None else Run.from_db(connection.alias, attnames, row)
+
+
+def _insert_events(events: list[RunEvent]) -> None:
+    if not _raw_sql_ok():
+        RunEvent.objects.bulk_create(events)
+        return
+    if "events" not in _sql_cache:
+        fields = [f for f in RunEvent._meta.concrete_fields if not f.primary_key]
+        columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
+        _sql_cache["events"] = (
+            f"INSERT INTO {connection.ops.quote_name(RunEvent._meta.db_table)} ({columns}) VALUES ",
+            "(" + ", ".join(["%s"] * len(fields)) + ")",
+            fields,
+        )
+    head, row, fields = _sql_cache["events"]
+    params: list[Any] = []
+    for event in events:
+        params += [f.get_db_prep_save(getattr(event, f.attname), connection) for f in fields]
+    pk = connection.ops.quote_name(RunEvent._meta.pk.column)
+    with connection.cursor() as cursor:
+        cursor.execute(f"{head}{', '.join([row] * len(events))} RETURNING {pk}", params)
+        ids = [r[0] for r in cursor.fetchall()]
+    # the ids come back in VALUES order (a single-statement INSERT ... RETURNING)
+    for event, pk_value in zip(events, ids, strict=True):
+        event.pk = pk_value
+        event._state.adding = False
+        event._state.db = connection.alias
+
+
+def _update_run(run_id: Any, fence: int | None, updates: dict[str, Any]) -> int | None:
+    """The checkpoint's one UPDATE of the run, as SQL written here for the values a
+    checkpoint carries (plain values, ``Now()``, ``F(field) +/- value``, the lease expiry);
+    None for anything else, which then goes through the ORM."""
+    if not _raw_sql_ok():
+        return None
+    quote = connection.ops.quote_name
+    assignments, params = [], []
+    for name, value in updates.items():
+        field = Run._meta.get_field(name)
+        column = quote(field.column)
+        if isinstance(value, ExpressionWrapper) and getattr(value, "lease_ttl", None) is not None:
+            assignments.append(f"{column} = STATEMENT_TIMESTAMP() + make_interval(secs => %s)")
+            params.append(value.lease_ttl)
+        elif isinstance(value, Now):
+            assignments.append(f"{column} = STATEMENT_TIMESTAMP()")
+        elif (
+            isinstance(value, CombinedExpression)
+            and value.connector in ("+", "-")
+            and isinstance(value.lhs, F)
+            and isinstance(value.rhs, Value)
+            and isinstance(value.rhs.value, int)
+        ):
+            source = quote(Run._meta.get_field(value.lhs.name).column)
+            assignments.append(f"{column} = {source} {value.connector} %s")
+            params.append(value.rhs.value)
+        elif hasattr(value, "resolve_expression"):
+            return None
+        else:
+            assignments.append(f"{column} = %s")
+            params.append(field.get_db_prep_save(value, connection))
+    where = f"{quote('id')} = %s"
+    params.append(run_id)
+    if fence is not None:
+        where += f" AND {quote('fence')} = %s"
+        params.append(fence)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"UPDATE {quote(Run._meta.db_table)} SET {', '.join(assignments)} WHERE {where}",
+            params,
+        )
+        return cursor.rowcount
+
+
 @contextmanager
 def checkpoint(
     run_id: Any,
@@ -134,11 +251,9 @@ def checkpoint(
 ) -> Iterator[Checkpoint]:
     """Lock the run and append events atomically. With ``fence`` the caller must hold the
     lease: any mismatch raises ``LeaseLost`` and nothing is written."""
+    started = time.perf_counter()
     with transaction.atomic(savepoint=False):
-        query = Run.objects.select_for_update().only(*_LOCKED_FIELDS).filter(id=run_id)
-        if fence is not None:
-            query = query.filter(fence=fence)
-        run = query.first()
+        run = _lock(run_id, fence)
         if run is None:
             if fence is not None and Run.objects.filter(id=run_id).exists():
                 raise LeaseLost(f"run {run_id}: fence {fence} is stale")
@@ -149,6 +264,19 @@ def checkpoint(
         for name in cp.boundaries:
             # fires right after the commit that contains the boundary (also when nested)
             transaction.on_commit(partial(faults.crash_point, name))
+    # in-process latency histogram (runs/metrics.py): lock, append, update, commit
+    metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
+
+
+# Called as ``listener(cp)`` inside the checkpoint's transaction, after its events are
+# inserted: whatever a listener writes (webhook deliveries, runs.webhooks) commits or rolls
+# back with the events themselves. Listeners must do no I/O.
+_event_listeners: list[Callable[[Checkpoint], None]] = []
+
+
+def register_event_listener(listener: Callable[[Checkpoint], None]) -> None:
+    if listener not in _event_listeners:
+        _event_listeners.append(listener)
 
 
 def _write(cp: Checkpoint, *, renew_lease: bool) -> None:
@@ -165,20 +293,25 @@ def _write(cp: Checkpoint, *, renew_lease: bool) -> None:
         event.hash = event_hash(event)
         prev_hash = event.hash
     if cp.events:
-        RunEvent.objects.bulk_create(cp.events)
+        _insert_events(cp.events)
+        for listener in _event_listeners:
+            listener(cp)
     updates = dict(cp.updates)
     if cp.events:
         updates["event_seq"] = seq
         updates["last_event_hash"] = prev_hash
-    query = Run.objects.filter(id=run.id)
-    if cp.fence is not None:
-        query = query.filter(fence=cp.fence)
-        if renew_lease and "lease_expires_at" not in updates:
-            updates["lease_expires_at"] = lease_expiry_expression()
+    if cp.fence is not None and renew_lease and "lease_expires_at" not in updates:
+        updates["lease_expires_at"] = lease_expiry_expression()
     if not updates:
         return
     updates["updated_at"] = now
-    if query.update(**updates) != 1:
+    updated = _update_run(run.id, cp.fence, updates)
+    if updated is None:
+        query = Run.objects.filter(id=run.id)
+        if cp.fence is not None:
+            query = query.filter(fence=cp.fence)
+        updated = query.update(**updates)
+    if updated != 1:
         # cannot happen while the row lock is held; on SQLite the IMMEDIATE transaction
         # serialises writers the same way
         raise LeaseLost(f"run {run.id}: lost the lease while writing")

@@ -115,13 +115,17 @@ class Run(models.Model):
             ("resolve_toolcall", "Can resolve unknown tool outcomes"),
         ]
         indexes = [
-            # the sweeper: runnable runs whose lease is free or expired
+            # the sweeper: runnable runs (few at any time), then their leases are checked
             models.Index(
-                fields=["lease_expires_at"],
-                name="run_sweep_idx",
+                fields=["created_at"],
+                name="run_runnable_idx",
                 condition=Q(status__in=["queued", "running"]),
             ),
             models.Index(fields=["status", "-created_at"], name="run_status_created_idx"),
+            # the runs list's default sort (keyset pagination on time, then id). No index
+            # holds updated_at or lease_expires_at: every checkpoint changes both, and an
+            # update that touches no indexed column stays HOT (docs/benchmarks.md)
+            models.Index(fields=["-created_at", "-id"], name="run_created_idx"),
             models.Index(fields=["agent_name", "-created_at"], name="run_agent_created_idx"),
             models.Index(fields=["lease_owner"], name="run_lease_owner_idx"),
             # the sweeper: waits whose timer or timeout fell due (runs.waits.claimable)
@@ -146,6 +150,7 @@ class Step(models.Model):
         WAIT = "wait"
         FINISH = "finish"
         FAIL = "fail"
+        DECISION = "decision"  # a remote agent's own checkpointed decision (runs.remote)
 
     class Status(models.TextChoices):
         PENDING = "pending"
@@ -345,6 +350,37 @@ class Question(models.Model):
 
     def __str__(self) -> str:
         return f"question {self.id} ({self.status})"
+
+
+class QuestionLink(models.Model):
+    """One emailed link to answer a question: a random token (only its sha256 is stored) for
+    one person of the question's group. Single-use; it expires with the question
+    (``runs.notify``)."""
+
+    question = models.ForeignKey(Question, on_delete=models.CASCADE, related_name="links")
+    recipient = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="+"
+    )
+    token_hash = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    # when the email carrying it was handed to the mail server (accepted or refused); still
+    # null long after the asking commit, the process died before sending: the sweeper
+    # replaces the link and sends the email
+    mailed_at = models.DateTimeField(null=True, blank=True)
+    used_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["created_at"]
+        indexes = [
+            models.Index(
+                fields=["created_at"],
+                name="questionlink_unmailed_idx",
+                condition=Q(mailed_at__isnull=True),
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"link for {self.recipient_id} on question {self.question_id}"
 
 
 class AppendOnlyError(Exception):

@@ -11,6 +11,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from decimal import Decimal
 from enum import StrEnum
 from typing import Any
 
@@ -211,6 +212,35 @@ Action = CallTool | Finish | Fail | WaitForSignal | Sleep | AskQuestion
 
 
 @dataclass(frozen=True)
+class Usage:
+    """What deciding cost (an LLM agent's tokens and money). Recorded on the decided step and
+    added to the run's persisted usage in the ``decided`` commit, so budgets see it."""
+
+    tokens: int = 0
+    cost: Decimal = Decimal(0)
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """An action together with what deciding it cost: ``decide`` may return this instead
+    of a bare action."""
+
+    action: Action
+    usage: Usage
+
+
+class DecisionPostponed(Exception):
+    """``decide`` cannot answer now for a reason outside the agent (its model API is
+    overloaded or down): the run is released and tried again after ``retry_after`` seconds,
+    rather than failed."""
+
+    def __init__(self, message: str, *, retry_after: float) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+@dataclass(frozen=True)
 class StepView:
     seq: int
     kind: str
@@ -265,6 +295,11 @@ class Agent:
     def initial_state(self, input: Mapping[str, Any]) -> dict[str, Any]:
         return {}
 
+    def model_for_new_run(self) -> str:
+        """The model a new run of this agent is pinned to (``Run.model_id``); empty for
+        agents that use no model. A run keeps its model for life (runs/llm.py)."""
+        return ""
+
     def decide(self, ctx: DecisionContext) -> Action:
         raise NotImplementedError
 
@@ -284,6 +319,19 @@ class Registry:
     def __init__(self) -> None:
         self._agents: dict[str, Agent] = {}
         self._tools: dict[str, Tool] = {}
+        # remote agents live in the database (``runs.remote``), not in code: looked up there
+        # when a name is not a hosted one, so every process sees the same manifest version
+        self._remote_agent: Callable[[str], Agent | None] | None = None
+        self._remote_tool: Callable[[str], Tool | None] | None = None
+
+    def set_remote_resolvers(
+        self,
+        *,
+        agent: Callable[[str], Agent | None],
+        tool: Callable[[str], Tool | None],
+    ) -> None:
+        self._remote_agent = agent
+        self._remote_tool = tool
 
     def register_tool(self, tool: Tool) -> Tool:
         self._tools[tool.name] = tool
@@ -306,16 +354,20 @@ class Registry:
         self._tools.pop(name, None)
 
     def agent(self, name: str) -> Agent:
-        try:
-            return self._agents[name]
-        except KeyError:
-            raise UnknownAgent(f"unknown agent {name!r}") from None
+        found = self._agents.get(name)
+        if found is None and self._remote_agent is not None:
+            found = self._remote_agent(name)
+        if found is None:
+            raise UnknownAgent(f"unknown agent {name!r}")
+        return found
 
     def tool(self, name: str) -> Tool:
-        try:
-            return self._tools[name]
-        except KeyError:
-            raise UnknownTool(f"unknown tool {name!r}") from None
+        found = self._tools.get(name)
+        if found is None and self._remote_tool is not None:
+            found = self._remote_tool(name)
+        if found is None:
+            raise UnknownTool(f"unknown tool {name!r}")
+        return found
 
     def agents(self) -> list[Agent]:
         return sorted(self._agents.values(), key=lambda a: a.name)

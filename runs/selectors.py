@@ -2,11 +2,38 @@
 
 from __future__ import annotations
 
+import base64
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from django.db.models import Count, QuerySet
+from django.conf import settings
+from django.db.models import (
+    BooleanField,
+    Case,
+    Count,
+    ExpressionWrapper,
+    F,
+    Q,
+    QuerySet,
+    Value,
+    When,
+)
+from django.db.models.functions import Now
 
-from runs.models import Question, Run, Step, ToolCall
+from runs.models import (
+    AgentManifest,
+    Alert,
+    Question,
+    Run,
+    RunEvent,
+    Step,
+    ToolCall,
+    Worker,
+)
 
 # what the runs list shows; nothing else is loaded (state, input and result can be large)
 _LIST_FIELDS = (
@@ -24,18 +51,12 @@ _LIST_FIELDS = (
 )
 
 
-def run_list(*, status: str | None = None, limit: int = 100) -> QuerySet[Run]:
-    """The most recent runs, newest first, optionally only those in one status."""
-    runs = Run.objects.only(*_LIST_FIELDS).order_by("-created_at")
-    if status:
-        runs = runs.filter(status=status)
-    return runs[:limit]
-
-
-def run_status_counts() -> dict[str, int]:
-    """How many runs are in each status (every status present, zeros included): one query."""
+def run_status_counts(*, agent: str | None = None) -> dict[str, int]:
+    """How many runs are in each status (every status present, zeros included), optionally
+    of one agent only: one query."""
     counts = dict.fromkeys(Run.Status.values, 0)
-    rows = Run.objects.order_by().values_list("status").annotate(n=Count("id"))
+    runs = Run.objects.filter(agent_name=agent) if agent else Run.objects.all()
+    rows = runs.order_by().values_list("status").annotate(n=Count("id"))
     for status, n in rows:
         counts[status] = n
     return counts
@@ -107,4 +128,433 @@ def open_waits(*, run_id: Any) -> list[Step]:
         Step.objects.filter(run_id=run_id, kind=Step.Kind.WAIT, status=Step.Status.PENDING)
         .select_related("question")
         .order_by("seq")
+    )
+
+
+# --- the console: run detail and unknown outcomes (docs/console.md) -------------------------------
+
+TIMELINE_PAGE = 100  # events per timeline page: the latest ones, then "load older"
+CALLS_SHOWN = 50  # the most recent tool calls on the run page
+FORK_STEPS_SHOWN = 50  # finished steps offered as fork points
+
+
+@dataclass
+class RunDetail:
+    run: Run
+    events: list[RunEvent]  # ascending seq: the latest TIMELINE_PAGE events
+    has_older: bool
+    steps: dict[int, Step]  # seq -> step, for the steps those events name
+    calls: list[ToolCall]  # newest first, with step and receipt
+    calls_total: int
+    approvals: dict[int, int]  # step seq -> id of the latest approval requested for it
+    waits: list[Step]
+    forks: list[Run]
+    fork_steps: list[int]  # finished steps, newest first, a fork may start from
+
+
+def run_events_page(
+    *, run_id: Any, before: int | None = None, limit: int = TIMELINE_PAGE
+) -> tuple[list[RunEvent], bool]:
+    """The ``limit`` events before ``before`` (the latest when None), ascending, and whether
+    older ones exist: one query on the (run, seq) unique index."""
+    events = RunEvent.objects.filter(run_id=run_id).order_by("-seq")
+    if before is not None:
+        events = events.filter(seq__lt=before)
+    page = list(events[: limit + 1])
+    has_older = len(page) > limit
+    return list(reversed(page[:limit])), has_older
+
+
+def steps_by_seq(*, run_id: Any, seqs: list[int]) -> dict[int, Step]:
+    """The named steps with their tool call and receipt: one query."""
+    if not seqs:
+        return {}
+    steps = Step.objects.filter(run_id=run_id, seq__in=seqs).select_related(
+        "tool_call", "tool_call__receipt"
+    )
+    return {step.seq: step for step in steps}
+
+
+def run_with_lease(*, run_id: Any) -> Run:
+    """One run with its principal and ``lease_is_live``, judged in database time like every
+    lease decision (Run.DoesNotExist if there is none)."""
+    live = ExpressionWrapper(Q(lease_expires_at__gt=Now()), output_field=BooleanField())
+    return Run.objects.select_related("principal").annotate(lease_is_live=live).get(id=run_id)
+
+
+def run_detail(*, run_id: Any) -> RunDetail:
+    """Everything the run page shows, in a number of queries that does not grow with the
+    run's steps or events (Run.DoesNotExist if there is none)."""
+    from runs import timeline
+
+    run = run_with_lease(run_id=run_id)
+    events, has_older = run_events_page(run_id=run.id)
+    calls = list(
+        ToolCall.objects.filter(run_id=run.id)
+        .select_related("step", "receipt")
+        .order_by("-step__seq")[:CALLS_SHOWN]
+    )
+    # always counted, so the page's query count does not depend on how many calls there are
+    calls_total = ToolCall.objects.filter(run_id=run.id).count()
+    # runs never imports approvals: the approval ids come from the run's own record
+    requested = RunEvent.objects.filter(run_id=run.id, type="approval.requested").order_by("-seq")[
+        :CALLS_SHOWN
+    ]
+    approvals: dict[int, int] = {}
+    for event in requested:
+        approvals.setdefault(event.payload.get("seq"), event.payload.get("approval"))
+    fork_steps = list(
+        Step.objects.filter(run_id=run.id, status__in=[Step.Status.COMPLETED, Step.Status.FAILED])
+        .exclude(kind__in=[Step.Kind.FINISH, Step.Kind.FAIL])
+        .order_by("-seq")
+        .values_list("seq", flat=True)[:FORK_STEPS_SHOWN]
+    )
+    return RunDetail(
+        run=run,
+        events=events,
+        has_older=has_older,
+        steps=steps_by_seq(run_id=run.id, seqs=timeline.step_seqs(events)),
+        calls=calls,
+        calls_total=calls_total,
+        approvals=approvals,
+        waits=open_waits(run_id=run.id),
+        forks=list(
+            Run.objects.filter(forked_from_id=run.id)
+            .only("id", "status", "forked_from_step", "created_at")
+            .order_by("created_at")
+        ),
+        fork_steps=fork_steps,
+    )
+
+
+# the tool-call events that tell an unknown outcome's story in the inbox
+OUTCOME_EVENT_TYPES = (
+    "tool.dispatching",
+    "tool.unknown",
+    "tool.reconcile_attempted",
+    "tool.resolved",
+)
+
+
+UNKNOWN_SHOWN = 200  # an incident with more unknown outcomes than this is paged by age
+
+
+def unknown_outcomes(*, limit: int = UNKNOWN_SHOWN) -> tuple[list[ToolCall], list[RunEvent], int]:
+    """The calls whose outcome is unknown, oldest dispatch first (at most ``limit``), with
+    their run and step; the dispatch / lookup / resolution events of their runs; and how
+    many there are in all: three queries."""
+    unknown = ToolCall.objects.filter(status=ToolCall.Status.UNKNOWN)
+    calls = list(
+        unknown.select_related("step", "run").order_by(
+            F("dispatched_at").asc(nulls_first=True), "id"
+        )[:limit]
+    )
+    total = len(calls) if len(calls) < limit else unknown.count()
+    if not calls:
+        return calls, [], 0
+    events = list(
+        RunEvent.objects.filter(
+            run_id__in={call.run_id for call in calls}, type__in=OUTCOME_EVENT_TYPES
+        ).order_by("run_id", "seq")
+    )
+    return calls, events, total
+
+
+def unknown_outcome_get(*, tool_call_id: Any) -> tuple[ToolCall, list[RunEvent]]:
+    """One call (any status) with its run, step and receipt, and its story's events."""
+    call = ToolCall.objects.select_related("step", "run", "receipt").get(id=tool_call_id)
+    events = list(
+        RunEvent.objects.filter(
+            run_id=call.run_id, type__in=OUTCOME_EVENT_TYPES, payload__seq=call.step.seq
+        ).order_by("seq")
+    )
+    return call, events
+
+
+# --- the operator console: dashboard and runs list (docs/operations.md, "Console and alerts") --
+
+
+@dataclass(frozen=True)
+class AttentionItem:
+    """One line of the dashboard's "needs me" list contributed by another app (the approvals
+    app registers approvals about to expire: ``runs`` never imports ``approvals``)."""
+
+    kind: str  # "approval_expiring", ...
+    title: str
+    url: str
+    run_id: Any
+    agent_name: str
+    due_at: datetime | None
+    # who may see it: the page it links to needs this permission ("" for anyone)
+    permission: str = ""
+
+
+# callables ``(limit) -> list[AttentionItem]``, each one query, soonest due first
+_attention_sources: list[Callable[[int], list[AttentionItem]]] = []
+
+
+def register_attention_source(source: Callable[[int], list[AttentionItem]]) -> None:
+    if source not in _attention_sources:
+        _attention_sources.append(source)
+
+
+def attention_from_sources(*, user: Any, limit: int = 20) -> list[AttentionItem]:
+    """What other apps say needs a person, soonest due first, only what ``user`` may open."""
+    items: list[AttentionItem] = []
+    for source in list(_attention_sources):
+        items.extend(
+            item for item in source(limit) if not item.permission or user.has_perm(item.permission)
+        )
+    far = datetime.max.replace(tzinfo=UTC)
+    return sorted(items, key=lambda item: item.due_at or far)[:limit]
+
+
+def runs_needing_attention(*, limit: int = 50) -> list[Run]:
+    """Runs parked for a person, the longest-waiting first, with the reason."""
+    return list(
+        Run.objects.filter(status=Run.Status.NEEDS_ATTENTION)
+        .only("id", "agent_name", "goal", "status", "reason_code", "reason_detail", "updated_at")
+        .order_by("updated_at")[:limit]
+    )
+
+
+def unknown_toolcalls(*, limit: int = 50) -> list[ToolCall]:
+    """Tool calls whose outcome nobody knows yet, oldest first (one query)."""
+    return list(
+        ToolCall.objects.filter(status=ToolCall.Status.UNKNOWN)
+        .select_related("run", "step")
+        .only(
+            "id",
+            "tool_name",
+            "effect",
+            "idempotency_key",
+            "attempt_count",
+            "reconcile_attempts",
+            "updated_at",
+            "run__id",
+            "run__agent_name",
+            "run__status",
+            "step__seq",
+        )
+        .order_by("updated_at")[:limit]
+    )
+
+
+@dataclass(frozen=True)
+class WorkerHealth:
+    workers: list[Worker]  # each with ``.alive`` (a fresh heartbeat, not stopped)
+    live: int
+    frozen: list[Worker]
+    stale: list[Worker]  # not stopped, but no heartbeat for WORKER_STALE_AFTER
+
+    @property
+    def alarm(self) -> str:
+        """Why the dashboard shows a red banner ("" when all is well)."""
+        if self.frozen:
+            names = ", ".join(w.name for w in self.frozen)
+            return f"The worker cluster looks frozen ({names}): runs are not advancing."
+        if not self.live:
+            return "No worker is running: no run will advance until one starts."
+        return ""
+
+
+def worker_health(*, limit: int = 50) -> WorkerHealth:
+    """Every worker identity with whether its heartbeat is fresh, judged by database time
+    (one query): a stale heartbeat means the process is gone, whatever ``health`` says."""
+    stale_after = timedelta(seconds=settings.AGENTOPS["WORKER_STALE_AFTER"])
+    workers = list(
+        Worker.objects.annotate(
+            alive=Case(
+                When(
+                    Q(heartbeat_at__gte=Now() - stale_after) & ~Q(health=Worker.Health.STOPPED),
+                    then=Value(True),
+                ),
+                default=Value(False),
+                output_field=BooleanField(),
+            )
+        ).order_by("-alive", "name")[:limit]
+    )
+    live = [w for w in workers if w.alive and w.health != Worker.Health.FROZEN]
+    frozen = [w for w in workers if w.alive and w.health == Worker.Health.FROZEN]
+    stale = [w for w in workers if not w.alive and w.health != Worker.Health.STOPPED]
+    return WorkerHealth(workers=workers, live=len(live), frozen=frozen, stale=stale)
+
+
+def recent_events(*, limit: int = 20) -> list[RunEvent]:
+    """The latest events across all runs (the ``-created_at`` index), with the run's agent."""
+    return list(
+        RunEvent.objects.select_related("run")
+        .only("id", "seq", "type", "actor", "channel", "created_at", "run__id", "run__agent_name")
+        .order_by("-created_at", "-id")[:limit]
+    )
+
+
+# The runs list pages by keyset (a cursor on the sort key + id), never by OFFSET and never
+# with COUNT(*): page 2,000 of 100,000 runs costs what page 1 costs.
+RUN_SORTS: dict[str, tuple[tuple[str, bool], ...]] = {
+    # key: ((field, descending), ...) — id is always the last tie-breaker
+    "-created": (("created_at", True),),
+    "created": (("created_at", False),),
+    "-updated": (("updated_at", True),),
+    "updated": (("updated_at", False),),
+    # alphabetical so the (status, -created_at) index serves it
+    "status": (("status", False), ("created_at", True)),
+}
+RUN_PAGE_SIZE = 50
+
+
+@dataclass(frozen=True)
+class RunPage:
+    runs: list[Run]
+    next_cursor: str  # "" on the last page
+    prev_cursor: str  # "" on the first page
+
+
+def _cursor_encode(run: Run, order: tuple[tuple[str, bool], ...]) -> str:
+    values = [
+        getattr(run, field).isoformat() if field.endswith("_at") else getattr(run, field)
+        for field, _ in order
+    ]
+    raw = json.dumps([*values, run.id.hex]).encode()
+    return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def _cursor_decode(cursor: str, order: tuple[tuple[str, bool], ...]) -> list[Any] | None:
+    """The cursor's values, or None for a cursor that is not ours (a stale bookmark or a
+    hand-edited URL shows the first page instead of an error)."""
+    try:
+        raw = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4))
+        values = json.loads(raw)
+        if not isinstance(values, list) or len(values) != len(order) + 1:
+            return None
+        decoded: list[Any] = []
+        for (field, _), value in zip(order, values[:-1], strict=True):
+            if field.endswith("_at"):
+                moment = datetime.fromisoformat(value)
+                if moment.tzinfo is None:
+                    return None
+                decoded.append(moment)
+            elif isinstance(value, str):
+                decoded.append(value)
+            else:
+                return None
+        decoded.append(uuid.UUID(hex=values[-1]))
+        return decoded
+    except (ValueError, TypeError, json.JSONDecodeError):
+        return None
+
+
+def _keyset(order: tuple[tuple[str, bool], ...], values: list[Any], *, forward: bool) -> Q:
+    """Rows strictly after (forward) or before the cursor in the sort order."""
+    columns = [*order, ("id", True)]
+    condition = Q()
+    for i, (field, descending) in enumerate(columns):
+        after_is_less = descending == forward
+        lookup = "lt" if after_is_less else "gt"
+        equal = {name: values[j] for j, (name, _) in enumerate(columns[:i])}
+        condition |= Q(**equal, **{f"{field}__{lookup}": values[i]})
+    return condition
+
+
+def _id_prefix_range(text: str) -> tuple[uuid.UUID, uuid.UUID] | None:
+    """A run id prefix ("3fa85f64" or "3fa85f64-5717") as an id range the primary key index
+    answers, instead of a LIKE over every id cast to text."""
+    digits = text.lower().replace("-", "")
+    if not 4 <= len(digits) <= 32 or any(c not in "0123456789abcdef" for c in digits):
+        return None
+    return (
+        uuid.UUID(hex=digits.ljust(32, "0")),
+        uuid.UUID(hex=digits.ljust(32, "f")),
+    )
+
+
+def run_search(*, status: str = "", agent: str = "", text: str = "") -> QuerySet[Run]:
+    """Runs matching the list's filters: status, agent, and text in the goal or an id prefix."""
+    runs = Run.objects.select_related("principal").only(
+        *_LIST_FIELDS, "lease_owner", "principal__username"
+    )
+    if status:
+        runs = runs.filter(status=status)
+    if agent:
+        runs = runs.filter(agent_name=agent)
+    text = text.strip()
+    if text:
+        id_range = _id_prefix_range(text)
+        if id_range is not None and len(text.replace("-", "")) >= 8:
+            # a pasted id (or its first 8 characters, as pages show it): the primary key
+            # index alone answers, instead of scanning every goal
+            runs = runs.filter(id__gte=id_range[0], id__lte=id_range[1])
+        elif id_range is not None:
+            runs = runs.filter(
+                Q(goal__icontains=text) | Q(id__gte=id_range[0], id__lte=id_range[1])
+            )
+        else:
+            runs = runs.filter(goal__icontains=text)
+    return runs
+
+
+def run_page(
+    runs: QuerySet[Run],
+    *,
+    sort: str = "-created",
+    after: str = "",
+    before: str = "",
+    size: int | None = None,
+) -> RunPage:
+    """One page of ``runs`` in ``sort`` order, after or before a cursor (one query)."""
+    size = size or RUN_PAGE_SIZE
+    order = RUN_SORTS.get(sort, RUN_SORTS["-created"])
+    forward = not before
+    values = _cursor_decode(after or before, order) if (after or before) else None
+    ordering = [f"-{f}" if desc == forward else f for f, desc in [*order, ("id", True)]]
+    page = runs.order_by(*ordering)
+    if values is not None:
+        page = page.filter(_keyset(order, values, forward=forward))
+    rows = list(page[: size + 1])
+    more = len(rows) > size
+    rows = rows[:size]
+    if not forward:
+        rows.reverse()
+    if values is None:
+        # the first page: nothing before it
+        return RunPage(rows, _cursor_encode(rows[-1], order) if more else "", "")
+    if forward:
+        return RunPage(
+            rows,
+            _cursor_encode(rows[-1], order) if more else "",
+            _cursor_encode(rows[0], order) if rows else "",
+        )
+    return RunPage(
+        rows,
+        _cursor_encode(rows[-1], order) if rows else "",
+        _cursor_encode(rows[0], order) if more else "",
+    )
+
+
+def run_agent_names() -> list[str]:
+    """Agents to filter by and to start: registered in code and registered remotely."""
+    from runs.registry import registry
+
+    names = {agent.name for agent in registry.agents()}
+    names.update(AgentManifest.objects.values_list("name", flat=True))
+    return sorted(names)
+
+
+def recent_alerts(*, limit: int = 10) -> list[Alert]:
+    """Operator alerts of the last day, newest first: whether each was emailed and whether
+    its cause went away (runs.alerts)."""
+    return list(
+        Alert.objects.filter(created_at__gte=Now() - timedelta(days=1))
+        .only(
+            "id",
+            "cause",
+            "kind",
+            "run_id",
+            "worker_name",
+            "detail",
+            "created_at",
+            "notified_at",
+            "resolved_at",
+        )
+        .order_by("-created_at", "-id")[:limit]
     )

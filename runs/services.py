@@ -20,7 +20,7 @@ from runs import transitions
 from runs.actors import Actor
 from runs.events import Checkpoint, checkpoint
 from runs.gate import get_gate
-from runs.models import Question, Run, Step, ToolCall, ToolReceipt
+from runs.models import Question, Run, RunEvent, Step, ToolCall, ToolReceipt
 from runs.queue import enqueue_on_commit
 from runs.registry import Effect, UnknownAgent, UnknownTool, registry
 
@@ -96,6 +96,8 @@ def run_create(
             trace_id=uuid.uuid4().hex,
             root_run_id=run_id,
             enqueued_at=timezone.now(),
+            # an LLM-backed agent's model is pinned here, for the run's whole life
+            model_id=agent.model_for_new_run() if hasattr(agent, "model_for_new_run") else "",
         )
         with checkpoint(run.id, actor=actor.label, channel=actor.channel) as cp:
             cp.event(
@@ -103,6 +105,7 @@ def run_create(
                 agent=agent.name,
                 agent_version=agent.version,
                 goal=goal,
+                **({"model": run.model_id} if run.model_id else {}),
                 principal=principal.get_username() if principal is not None else None,
                 budget={"max_steps": run.max_steps, "max_cost": max_cost, "max_tokens": max_tokens},
             )
@@ -397,6 +400,10 @@ def _budget_exhaustion(run: Run) -> str:
     return ""
 
 
+_MAX_COST_LIMIT = Decimal(10**6)  # Run.max_cost: 12 digits, 6 of them decimals
+_MAX_STEPS_LIMIT = 2**31 - 1  # Run.max_steps: a PositiveIntegerField
+
+
 def run_topup_budget(
     *,
     run_id: Any,
@@ -437,6 +444,11 @@ def run_topup_budget(
             run.max_tokens += add_tokens
         if deadline is not None:
             run.deadline = deadline
+        # the columns' ranges: past them the UPDATE would fail (a 500), not refuse
+        if run.max_cost is not None and run.max_cost >= _MAX_COST_LIMIT:
+            raise InvalidInput(f"the cost limit would be {run.max_cost}; it must stay below 10^6")
+        if run.max_steps is not None and run.max_steps > _MAX_STEPS_LIMIT:
+            raise InvalidInput(f"the step limit would be {run.max_steps}; at most 2^31 - 1")
         still = _budget_exhaustion(run)
         if exhausted and still:
             raise BudgetExhausted(f"the budget would still be exhausted: {still}")
@@ -508,6 +520,9 @@ def run_fork(*, run_id: Any, actor: Actor, from_step: int, agent_version: str | 
         source = Run.objects.get(id=run_id)
         if source.status == Run.Status.RUNNING and _lease_is_live(run_id):
             raise InvalidState("the run is being driven: pause or terminate it first")
+        if RunEvent.objects.filter(run_id=run_id, type="run.pruned").exists():
+            # ``prune`` emptied its step outputs: a state rebuilt from them would be wrong
+            raise InvalidState("the run's step data was pruned (retention); it cannot be forked")
         family = Run.objects.filter(root_run_id=source.root_run_id or source.id)
         if family.exclude(id=source.id).exclude(status__in=Run.TERMINAL).exists():
             # one live branch per family: two could dispatch the same key at once
@@ -542,6 +557,8 @@ def run_fork(*, run_id: Any, actor: Actor, from_step: int, agent_version: str | 
             tokens_used=source.tokens_used,
             trace_id=uuid.uuid4().hex,
             root_run_id=source.root_run_id or source.id,
+            # a fork continues the same conversation: same model
+            model_id=source.model_id,
             forked_from=source,
             forked_from_step=from_step,
             enqueued_at=timezone.now(),

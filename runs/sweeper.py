@@ -16,7 +16,7 @@ from django.conf import settings
 from django.db.models import Q
 from django.db.models.functions import Now
 
-from runs.models import Run
+from runs.models import AgentManifest, Run
 from runs.queue import enqueue_run
 from runs.waits import claimable
 
@@ -36,6 +36,9 @@ def runnable_orphans(limit: int = 500) -> list:
     return list(
         # runnable, or waiting with a timer or timeout that fell due (also while no worker ran)
         Run.objects.filter(claimable())
+        # remote agents' runs wait for an agent process; expired remote leases are handled
+        # by runs.remote.remote_leases_expire (a sweep hook)
+        .exclude(agent_name__in=AgentManifest.objects.values("name"))
         .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now()))
         .filter(Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
         .filter(Q(enqueued_at__isnull=True) | Q(enqueued_at__lt=Now() - requeue_after))

@@ -18,6 +18,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from runs.actors import Actor
+from runs.audit import audit_record
 from runs.models import ApiToken
 from runs.services import InvalidInput, InvalidState
 
@@ -44,9 +45,11 @@ def api_token_create(
     actor: Actor,
     expires_at: datetime | None = None,
     webhook_url: str = "",
+    request: Any = None,
 ) -> tuple[ApiToken, str]:
     """Create a token acting as ``principal``; return it with the raw secret, which is not
-    stored and cannot be shown again."""
+    stored and cannot be shown again. Recorded in the audit log (``token.created``); the
+    ``request``, when there is one, supplies the IP address and user agent."""
     actor.require("runs.add_apitoken")
     name = name.strip()
     if not name:
@@ -68,20 +71,56 @@ def api_token_create(
                 webhook_url=webhook_url,
                 webhook_secret=secrets.token_hex(32) if webhook_url else "",
             )
+            audit_record(
+                action="token.created",
+                actor=actor.label,
+                channel=actor.channel,
+                request=request,
+                object_type="api_token",
+                object_id=token.pk,
+                after=_token_snapshot(token),
+            )
     except IntegrityError:
         # the hash is 256 random bits: only the name can collide
         raise TokenNameTaken(f"a token named {name!r} already exists") from None
     return token, raw
 
 
-def api_token_revoke(*, token_id: Any, actor: Actor) -> ApiToken:
-    """Revoke a token for good. Revoking twice is refused so the first time stays recorded."""
+def api_token_revoke(*, token_id: Any, actor: Actor, request: Any = None) -> ApiToken:
+    """Revoke a token for good. Revoking twice is refused so the first time stays recorded.
+    Recorded in the audit log (``token.revoked``) in the same transaction."""
     actor.require("runs.change_apitoken")
-    updated = ApiToken.objects.filter(id=token_id, revoked_at__isnull=True).update(revoked_at=Now())
-    token = ApiToken.objects.get(id=token_id)  # DoesNotExist for an unknown id
-    if not updated:
-        raise InvalidState(f"token {token.name} is already revoked")
+    with transaction.atomic():
+        updated = ApiToken.objects.filter(id=token_id, revoked_at__isnull=True).update(
+            revoked_at=Now()
+        )
+        token = ApiToken.objects.get(id=token_id)  # DoesNotExist for an unknown id
+        if not updated:
+            raise InvalidState(f"token {token.name} is already revoked")
+        after = _token_snapshot(token)
+        audit_record(
+            action="token.revoked",
+            actor=actor.label,
+            channel=actor.channel,
+            request=request,
+            object_type="api_token",
+            object_id=token.pk,
+            before={**after, "revoked_at": None},
+            after=after,
+        )
     return token
+
+
+def _token_snapshot(token: ApiToken) -> dict[str, Any]:
+    # never the hash or the webhook secret: the audit log is read by auditors
+    return {
+        "name": token.name,
+        "prefix": token.prefix,
+        "principal": token.principal.get_username(),
+        "expires_at": token.expires_at.isoformat() if token.expires_at else None,
+        "revoked_at": token.revoked_at.isoformat() if token.revoked_at else None,
+        "webhook_url": token.webhook_url,
+    }
 
 
 def api_token_authenticate(raw: str) -> ApiToken | None:

@@ -11,6 +11,7 @@ from typing import Any
 
 from django.utils import timezone
 
+from runs import fastsql
 from runs.events import Checkpoint
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.registry import Agent, StepView
@@ -39,7 +40,8 @@ def record_receipt(
     incarnation: int | None,
 ) -> ToolReceipt:
     """``receipt_recorded``: the call's outcome, whoever learned it."""
-    receipt = ToolReceipt.objects.create(
+    receipt = fastsql.create(
+        ToolReceipt,
         tool_call=call,
         outcome=ToolReceipt.Outcome.SUCCEEDED if ok else ToolReceipt.Outcome.FAILED,
         result=result,
@@ -49,7 +51,7 @@ def record_receipt(
         incarnation=incarnation,
     )
     call.status = ToolCall.Status.SUCCEEDED if ok else ToolCall.Status.FAILED
-    ToolCall.objects.filter(id=call.id).update(status=call.status, updated_at=timezone.now())
+    fastsql.update(ToolCall, call.id, status=call.status, updated_at=timezone.now())
     cp.event(
         "tool.succeeded" if ok else "tool.failed",
         seq=call.step.seq,
@@ -78,7 +80,7 @@ def complete_step(
     step.output = output
     step.error = error
     step.completed_at = timezone.now()
-    step.save(update_fields=["status", "output", "error", "completed_at"])
+    fastsql.save_fields(step, ["status", "output", "error", "completed_at"])
     apply_to_state(cp, run=run, agent=agent, step=step)
 
 
@@ -86,6 +88,6 @@ def fail_step(cp: Checkpoint, *, run: Run, agent: Agent, step: Step, error: str)
     step.status = Step.Status.FAILED
     step.error = error
     step.completed_at = timezone.now()
-    step.save(update_fields=["status", "error", "completed_at"])
+    fastsql.save_fields(step, ["status", "error", "completed_at"])
     cp.event("step.failed", seq=step.seq, error=error)
     apply_to_state(cp, run=run, agent=agent, step=step)

@@ -28,11 +28,11 @@ from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import transitions
+from runs import notify, transitions
 from runs.actors import Actor, PermissionDenied
 from runs.dbtime import db_now
 from runs.events import Checkpoint, checkpoint
-from runs.models import Question, Run, Signal, Step
+from runs.models import Question, QuestionLink, Run, Signal, Step
 from runs.queue import enqueue_on_commit
 from runs.registry import Agent, AskQuestion, Sleep, WaitForSignal, digest
 from runs.services import InvalidInput, InvalidState
@@ -178,6 +178,8 @@ def question_create(cp: Checkpoint, *, step: Step) -> Question:
         choices=question.choices,
         expires_at=question.expires_at,
     )
+    # the links commit with the question; the emails go out after the commit (runs.notify)
+    notify.question_links_create_and_email(question=question)
     return question
 
 
@@ -409,3 +411,70 @@ def question_answer(*, question_id: Any, answer: Any, actor: Actor) -> Question:
         if cp.run.status == Run.Status.WAITING_EVENT:
             _wake(cp)
     return question
+
+
+# --- emailed question links (runs.notify) ---------------------------------------------------
+
+
+class LinkInvalid(Exception):
+    """No link has this token: mistyped, truncated or forged."""
+
+    code = "not_found"
+
+
+class LinkUsed(InvalidState):
+    code = "already_decided"
+
+
+class LinkNotYours(PermissionDenied):
+    """Someone signed in as another person opened a link mailed to someone else."""
+
+
+def question_link_get(token: str) -> QuestionLink:
+    """The link this token belongs to, or ``LinkInvalid``."""
+    if not token or len(token) > 128:
+        raise LinkInvalid("this link is not valid")
+    link = (
+        QuestionLink.objects.select_related("question__run", "question__step", "recipient")
+        .filter(token_hash=notify.hash_token(token))
+        .first()
+    )
+    if link is None:
+        raise LinkInvalid("this link is not valid")
+    return link
+
+
+def question_link_check_user(link: QuestionLink, user: Any) -> None:
+    """The token identifies its recipient; a signed-in user must be that recipient (the
+    answer is recorded under the recipient's name)."""
+    if user is not None and user.is_authenticated and user.pk != link.recipient_id:
+        raise LinkNotYours(
+            f"this link was sent to {link.recipient.get_username()}; "
+            f"you are signed in as {user.get_username()}"
+        )
+
+
+def question_link_answer(*, token: str, answer: Any, user: Any = None) -> Question:
+    """Answer through an emailed link (POST only). The link is used up in the same
+    transaction as the answer: an answer that is refused (invalid, too late, already
+    answered, the recipient no longer in the group) leaves it unused, and a second use
+    answers nothing. The link's recipient is the actor, channel ``email``."""
+    link = question_link_get(token)
+    question_link_check_user(link, user)
+    actor = Actor.for_user(link.recipient, notify.EMAIL_CHANNEL)
+    with transaction.atomic():
+        # the conditional UPDATE serialises two uses of one link: the second matches nothing
+        claimed = QuestionLink.objects.filter(id=link.id, used_at__isnull=True).update(
+            used_at=Now()
+        )
+        if claimed != 1:
+            raise LinkUsed("this link has already been used")
+        with checkpoint(link.question.run_id, actor=actor.label, channel=actor.channel) as cp:
+            cp.event(
+                "question.link_used",
+                question_id=link.question_id,
+                link=link.id,
+                by=actor.label,
+                signed_in=user is not None and user.is_authenticated,
+            )
+        return question_answer(question_id=link.question_id, answer=answer, actor=actor)

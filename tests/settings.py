@@ -17,12 +17,20 @@ _FAST = {
     "AGENTOPS_Q_TIMEOUT": "60",
     "AGENTOPS_Q_RETRY": "90",
     "AGENTOPS_SLICE_SECONDS": "20",
+    # the sweeper emails no operator alerts unless a test turns them on (tests/runs/test_alerts.py)
+    "AGENTOPS_ALERT_INTERVAL": "0",
     # the API suite and Schemathesis send far more than a client would in a minute
     "AGENTOPS_API_USER_RATE": "100000/min",
     "AGENTOPS_API_ANON_RATE": "100000/min",
+    # webhook receivers in tests listen on loopback
+    "AGENTOPS_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8,::1/128",
+    "AGENTOPS_WEBHOOK_BACKOFF": "0.2",
 }
 for _key, _value in _FAST.items():
     os.environ.setdefault(_key, _value)
+# the real settings default to production (DEBUG=0: SECRET_KEY, ALLOWED_HOSTS, https only);
+# the suite talks plain http to testserver and 127.0.0.1
+os.environ.setdefault("DEBUG", "1")
 
 from agentops.settings import *  # noqa: E402,F403
 

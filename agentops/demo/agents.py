@@ -188,3 +188,10 @@ def register() -> None:
     registry.register_agent(RefundAgent())
     registry.register_agent(FollowUpAgent())
     registry.register_agent(OnboardingAgent())
+    from django.conf import settings
+
+    if settings.AGENTOPS_LLM["BASE_URL"]:
+        # only with a model API configured: without one its runs could never decide
+        from agentops.demo.llm_agents import LLMRefundAgent
+
+        registry.register_agent(LLMRefundAgent())

@@ -6,7 +6,7 @@ from typing import Any
 
 from django import forms
 from django.contrib import messages
-from django.contrib.auth.decorators import login_required, permission_required
+from django.contrib.auth.decorators import login_required
 from django.core.exceptions import PermissionDenied
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
@@ -17,40 +17,15 @@ from django_htmx.middleware import HtmxDetails
 from runs import selectors, waits
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
-from runs.models import Question, Run
+from runs.models import Question
 from runs.services import InvalidInput
-
-RUN_LIST_LIMIT = 200
 
 
 class HtmxHttpRequest(HttpRequest):
     htmx: HtmxDetails
 
 
-@login_required
-@permission_required("runs.view_run", raise_exception=True)
-def run_list(request: HtmxHttpRequest) -> HttpResponse:
-    status = request.GET.get("status", "")
-    if status not in Run.Status.values:
-        status = ""  # an unknown filter shows everything rather than an empty page
-    counts = selectors.run_status_counts()
-    total = sum(counts.values())
-    matching = counts[status] if status else total
-    context = {
-        "runs": selectors.run_list(status=status or None, limit=RUN_LIST_LIMIT),
-        "status": status,
-        "status_counts": [
-            {"status": value, "label": label, "count": counts[value]}
-            for value, label in Run.Status.choices
-        ],
-        "total": total,
-        "matching": matching,
-        "truncated": matching > RUN_LIST_LIMIT,
-        "limit": RUN_LIST_LIMIT,
-    }
-    # the 3-second refresh asks for the table only
-    template = "runs/list.html#runs-table" if request.htmx else "runs/list.html"
-    return render(request, template, context)
+# The dashboard, the runs list, starting runs and bulk actions: runs.views.console.
 
 
 # --- questions to people (docs/waits.md) ------------------------------------------------------

@@ -145,7 +145,8 @@ def test_the_principal_may_not_approve_its_own_run(api_agents, django_user_model
     [
         ({}, "decision"),
         ({"decision": "maybe"}, "decision"),
-        ({"decision": "approve", "arguments": {"amount_cents": 1}}, "arguments"),
+        ({"decision": "approve", "arguments": {"amount_cents": 0}}, "arguments"),
+        ({"decision": "reject", "arguments": {"amount_cents": 5}}, "arguments"),
         ({"decision": "approve", "comment": "x" * 2001}, "comment"),
     ],
 )

@@ -57,7 +57,7 @@ def test_a_get_decides_nothing_however_often_it_comes(
 
     assert _snapshot(approval) == before
     assert events(approval.run_id, "approval.link_used") == []
-    assert page["Referrer-Policy"] == "no-referrer"
+    assert page["Referrer-Policy"] == "same-origin"
     assert "no-store" in page["Cache-Control"]
 
 

@@ -149,8 +149,8 @@ def test_demo_runs_succeed_and_one_ctrl_c_stops_everything(demo):
     client = demo.sign_in(password)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        page = client.get("/?status=succeeded", headers={"HX-Request": "true"}).text
-        waiting = client.get("/?status=waiting_approval", headers={"HX-Request": "true"}).text
+        page = client.get("/runs/?status=succeeded", headers={"HX-Request": "true"}).text
+        waiting = client.get("/runs/?status=waiting_approval", headers={"HX-Request": "true"}).text
         if 'badge-succeeded">succeeded</span></td>' in page and "needs an approver" in waiting:
             break
         time.sleep(0.3)

@@ -80,3 +80,188 @@ def test_postgresql_rejects_raw_update_and_delete_of_events(finished_run):
 def test_audit_verify_rejects_an_unknown_run_id():
     with pytest.raises(CommandError, match="is not a run id"):
         call_command("audit_verify", run="nope")
+
+
+@pytest.mark.django_db
+def test_audit_verify_finds_reordered_events(finished_run):
+    """Swapping two events' places (their seq numbers) breaks the chain at the first one."""
+    first = RunEvent.objects.get(run=finished_run, seq=2)
+    second = RunEvent.objects.get(run=finished_run, seq=3)
+    # through a free seq: (run, seq) is unique
+    _tamper("UPDATE runs_runevent SET seq = 1000 WHERE id = %s", [first.id])
+    _tamper("UPDATE runs_runevent SET seq = 2 WHERE id = %s", [second.id])
+    _tamper("UPDATE runs_runevent SET seq = 3 WHERE id = %s", [first.id])
+    with pytest.raises(CommandError, match=f"run {finished_run.id} event 2: does not link"):
+        call_command("audit_verify", run=str(finished_run.id))
+
+
+@pytest.mark.django_db
+def test_audit_verify_finds_an_event_whose_hashes_were_recomputed_but_not_its_successor(
+    finished_run,
+):
+    """Rewriting one event and recomputing its own digest and hash is still caught: the next
+    event links to the old hash."""
+    from runs.events import event_hash, payload_digest
+
+    event = RunEvent.objects.get(run=finished_run, seq=4)
+    event.actor = "user:mallory"
+    event.payload_digest = payload_digest(event.payload)
+    new_hash = event_hash(event)
+    _tamper(
+        "UPDATE runs_runevent SET actor = %s, hash = %s WHERE id = %s",
+        [event.actor, new_hash, event.id],
+    )
+    with pytest.raises(CommandError, match="event 5: does not link"):
+        call_command("audit_verify")
+
+
+# --- the audit entry chain ---------------------------------------------------------------------
+
+
+def _entries(n: int = 3) -> list:
+    from runs.audit import audit_record
+
+    return [
+        audit_record(
+            action="token.created",
+            actor="user:root",
+            channel="cli",
+            object_type="api_token",
+            object_id=i,
+            after={"name": f"agent-{i}"},
+        )
+        for i in range(n)
+    ]
+
+
+def _tamper_entries(sql: str, params: list) -> None:
+    if connection.vendor == "postgresql":
+        _raw("SET CONSTRAINTS ALL IMMEDIATE", [])
+        _raw("ALTER TABLE runs_auditentry DISABLE TRIGGER runs_auditentry_append_only", [])
+    _raw(sql, params)
+    if connection.vendor == "postgresql":
+        _raw("ALTER TABLE runs_auditentry ENABLE TRIGGER runs_auditentry_append_only", [])
+
+
+@pytest.mark.django_db
+def test_audit_entries_chain_and_verify(capsys):
+    from runs.audit import AUDIT_ANCHOR
+
+    first, second, third = _entries()
+    assert first.prev_hash == AUDIT_ANCHOR
+    assert (second.prev_hash, third.prev_hash) == (first.hash, second.hash)
+    call_command("audit_verify")
+    out = capsys.readouterr().out
+    assert "3 audit entries intact" in out
+    assert f"audit head {third.hash} (entry {third.id})" in out
+    call_command("audit_verify", audit_head=third.hash)
+
+
+@pytest.mark.django_db
+def test_audit_entries_refuse_orm_update_and_delete():
+    from runs.models import AppendOnlyError, AuditEntry
+
+    (entry,) = _entries(1)
+    entry.actor = "user:mallory"
+    with pytest.raises(AppendOnlyError):
+        entry.save()
+    with pytest.raises(AppendOnlyError):
+        entry.delete()
+    with pytest.raises(AppendOnlyError):
+        AuditEntry.objects.filter(id=entry.id).update(actor="user:mallory")
+    with pytest.raises(AppendOnlyError):
+        AuditEntry.objects.filter(id=entry.id).delete()
+    assert AuditEntry.objects.get(id=entry.id).actor == "user:root"
+
+
+@pytest.mark.django_db
+def test_postgresql_rejects_raw_update_and_delete_of_audit_entries():
+    if connection.vendor != "postgresql":
+        pytest.skip("the database-level trigger exists on PostgreSQL only")
+    from runs.models import AuditEntry
+
+    (entry,) = _entries(1)
+    for sql in (
+        "UPDATE runs_auditentry SET actor = 'user:mallory' WHERE id = %s",
+        "DELETE FROM runs_auditentry WHERE id = %s",
+    ):
+        with pytest.raises(DatabaseError, match="append-only"), transaction.atomic():
+            _raw(sql, [entry.id])
+    assert AuditEntry.objects.get(id=entry.id).actor == "user:root"
+
+
+@pytest.mark.django_db
+def test_audit_verify_names_an_edited_audit_entry():
+    first, second, third = _entries()
+    _tamper_entries(
+        "UPDATE runs_auditentry SET after = %s WHERE id = %s", ['{"name": "other"}', second.id]
+    )
+    with pytest.raises(CommandError, match=f"audit entry {second.id}: before/after values"):
+        call_command("audit_verify")
+
+
+@pytest.mark.django_db
+def test_audit_verify_names_an_audit_entry_whose_fields_changed():
+    first, second, third = _entries()
+    _tamper_entries("UPDATE runs_auditentry SET actor = 'user:x' WHERE id = %s", [second.id])
+    with pytest.raises(CommandError, match=f"audit entry {second.id}: fields do not match"):
+        call_command("audit_verify")
+
+
+@pytest.mark.django_db
+def test_audit_verify_finds_a_deleted_audit_entry():
+    first, second, third = _entries()
+    _tamper_entries("DELETE FROM runs_auditentry WHERE id = %s", [second.id])
+    with pytest.raises(CommandError, match=f"audit entry {third.id}: does not link"):
+        call_command("audit_verify")
+
+
+@pytest.mark.django_db
+def test_audit_verify_finds_reordered_audit_entries():
+    """Two entries swapped in place: every column but the id exchanged, each entry still
+    self-consistent (its own hash matches), but the links no longer do."""
+    import json
+
+    from runs.models import AuditEntry
+
+    first, second, _third = _entries()
+    columns = [
+        "created_at",
+        "action",
+        "actor",
+        "object_id",
+        "after",
+        "payload_digest",
+        "prev_hash",
+        "hash",
+    ]
+
+    def values(entry):
+        row = [getattr(entry, c) for c in columns]
+        row[columns.index("after")] = json.dumps(entry.after)
+        return row
+
+    assignments = ", ".join(f"{c} = %s" for c in columns)
+    sql = f"UPDATE runs_auditentry SET {assignments} WHERE id = %s"
+    # hash is unique: park the first row's hash while the second takes it
+    _tamper_entries("UPDATE runs_auditentry SET hash = 'parked' WHERE id = %s", [first.id])
+    _tamper_entries(sql, [*values(first), second.id])
+    _tamper_entries(sql, [*values(second), first.id])
+    assert AuditEntry.objects.get(id=first.id).object_id == "1"
+    with pytest.raises(CommandError, match=f"audit entry {first.id}: does not link"):
+        call_command("audit_verify")
+
+
+@pytest.mark.django_db
+def test_audit_verify_finds_a_truncated_audit_log_from_a_recorded_head():
+    first, second, third = _entries()
+    _tamper_entries("DELETE FROM runs_auditentry WHERE id = %s", [third.id])
+    call_command("audit_verify")  # the chain that is left is consistent in itself ...
+    with pytest.raises(CommandError, match="no longer in the audit log"):
+        call_command("audit_verify", audit_head=third.hash)  # ... but the recorded head is gone
+
+
+@pytest.mark.django_db
+def test_audit_verify_rejects_a_malformed_head():
+    with pytest.raises(CommandError, match="64-character hex"):
+        call_command("audit_verify", audit_head="nothex")

@@ -18,6 +18,7 @@ from django.core.management.base import BaseCommand, CommandError
 from runs.models import Run, Step, ToolCall
 from runs.registry import (
     CallTool,
+    Decision,
     DecisionContext,
     Fail,
     Finish,
@@ -69,6 +70,8 @@ class Command(BaseCommand):
                 action = agent.decide(context)
             except Exception as exc:
                 action = exc
+            if isinstance(action, Decision):
+                action = action.action  # an LLM agent's answer with its usage: compare the action
             difference = _compare(action, step, calls.get(step.id))
             if difference:
                 diverged += 1

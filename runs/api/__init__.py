@@ -28,14 +28,16 @@ from runs.api_common import (
     ApiError,
     CreatedCursorPagination,
     IdCursorPagination,
+    QueryParamsSerializer,
     SeqPagination,
     actor_for,
     errors,
     has_perm,
 )
 from runs.idempotency import run_create_idempotent
-from runs.models import Run, RunEvent, ToolCall
-from runs.registry import Tool, registry
+from runs.models import AgentManifest, Run, RunEvent, ToolCall
+from runs.registry import Agent, Tool, registry
+from runs.remote import RemoteAgent, manifest_tool
 
 # --- validation helpers --------------------------------------------------------------------
 
@@ -87,7 +89,7 @@ class RunCreateInputSerializer(serializers.Serializer):
         return value
 
 
-class RunListFilterSerializer(serializers.Serializer):
+class RunListFilterSerializer(QueryParamsSerializer):
     status = serializers.ChoiceField(choices=Run.Status.choices, required=False)
     agent = serializers.CharField(max_length=100, required=False)
 
@@ -227,10 +229,10 @@ class AgentSerializer(serializers.Serializer):
     tools = ToolSerializer(many=True)
 
 
-def _tool_data(tool: Tool) -> dict[str, Any]:
+def _tool_data(tool: Tool, *, name: str | None = None) -> dict[str, Any]:
     policy = tool.approval
     return {
-        "name": tool.name,
+        "name": name or tool.name,
         "version": tool.version,
         "description": tool.description,
         "effect": str(tool.effect),
@@ -291,7 +293,7 @@ class ToolCallSerializer(serializers.ModelSerializer):
         return ToolReceiptSummarySerializer(receipt).data if receipt is not None else None
 
 
-class ToolCallListFilterSerializer(serializers.Serializer):
+class ToolCallListFilterSerializer(QueryParamsSerializer):
     status = serializers.ChoiceField(choices=ToolCall.Status.choices, required=False)
     run = serializers.UUIDField(required=False)
 
@@ -377,24 +379,36 @@ class HealthApi(APIView):
         return Response({"status": "ok", "database": "ok"})
 
 
+def agent_data(agent: Agent) -> dict[str, Any]:
+    """A hosted agent (tools from the registry) or a remote one (tools from its manifest,
+    shown by the names the manifest gives them)."""
+    if isinstance(agent, RemoteAgent):
+        tools = [
+            _tool_data(manifest_tool(agent.name, spec), name=spec["name"])
+            for spec in agent.tool_specs.values()
+        ]
+    else:
+        tools = [_tool_data(registry.tool(name)) for name in agent.tools]
+    return {
+        "name": agent.name,
+        "version": agent.version,
+        "kind": "remote" if isinstance(agent, RemoteAgent) else "hosted",
+        "description": agent.description,
+        "input_schema": dict(agent.input_schema),
+        "tools": tools,
+    }
+
+
 class AgentListApi(APIView):
     @extend_schema(
         summary="Registered agents with their tools",
         responses={200: AgentSerializer(many=True), **errors()},
     )
     def get(self, request):
-        data = [
-            {
-                "name": agent.name,
-                "version": agent.version,
-                "kind": "hosted",
-                "description": agent.description,
-                "input_schema": dict(agent.input_schema),
-                "tools": [_tool_data(registry.tool(name)) for name in agent.tools],
-            }
-            for agent in registry.agents()
-        ]
-        return Response(AgentSerializer(data, many=True).data)
+        agents = [agent_data(agent) for agent in registry.agents()]
+        agents += [agent_data(RemoteAgent(manifest)) for manifest in AgentManifest.objects.all()]
+        agents.sort(key=lambda agent: agent["name"])
+        return Response(AgentSerializer(agents, many=True).data)
 
 
 def _run_detail(run_id: Any) -> Run:

@@ -1,0 +1,603 @@
+"""``python manage.py bench [--quick]``: the engine measured against its physical limit.
+
+On PostgreSQL only (on SQLite it exits non-zero with one line). It creates a dedicated
+database ``<name>_bench`` on the server ``DATABASE_URL`` names, migrates it, measures, drops
+it, prints a table and writes ``bench/results/<date>-<host>.json``. What each figure means
+and how to read it: docs/benchmarks.md.
+
+``--worker NAME`` is the worker the benchmark starts: the no-op bench agents registered,
+then the ordinary ``runworker``. The app itself never registers them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from contextlib import nullcontext
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management import call_command
+from django.core.management.base import BaseCommand, CommandError
+from django.db import connection, connections
+
+from runs.bench import agents, measure
+from runs.bench.database import NotPostgres, bench_database, database_url, require_postgres
+
+# (quick, full): the issue's sizes are the full ones
+SIZES = {
+    "runs": (100, 500),
+    "steps": (10, 10),
+    "overhead_runs": (30, 200),
+    "approvals": (10, 40),
+    "held": (2, 4),
+    "lease_ttl": (3.0, 5.0),
+    "memory_steps": ((200, 2_000), (1_000, 10_000)),
+    "page_runs": (5_000, 100_000),
+    "page_steps": (100, 1_000),
+    "page_repeat": (10, 30),
+    "http_seconds": (2.0, 5.0),
+    "limit_seconds": (1.0, 3.0),
+}
+SECTIONS = ("throughput", "overhead", "recovery", "approval", "memory", "pages", "http")
+# DBOS Transact 3.4.0 on this kind of machine (../shared/peers/README.md), used when DBOS
+# is not measured in the same run
+DBOS_REFERENCE = {"steps_per_s_1": 207.0, "steps_per_s_2": 224.0, "step_ms_p50": 5.2}
+
+
+class Command(BaseCommand):
+    help = "Benchmark the engine, recovery, approvals and pages against their limits."
+
+    def add_arguments(self, parser):
+        parser.add_argument("--quick", action="store_true", help="small sizes (about 2 minutes)")
+        parser.add_argument("--runs", type=int, help="W: runs per throughput measurement")
+        parser.add_argument("--steps", type=int, help="K: tool steps per run")
+        parser.add_argument("--overhead-runs", type=int, help="sequential runs for overhead")
+        parser.add_argument("--approvals", type=int, help="approvals for approval -> dispatch")
+        parser.add_argument("--held", type=int, help="runs a killed worker holds")
+        parser.add_argument("--lease-ttl", type=float, help="lease TTL for the recovery runs")
+        parser.add_argument(
+            "--memory-steps", type=int, nargs=2, metavar=("FIRST", "LAST"), help="RSS read at"
+        )
+        parser.add_argument("--page-runs", type=int, help="runs in the table for the pages")
+        parser.add_argument("--page-steps", type=int, help="steps of the big run for its page")
+        parser.add_argument("--page-repeat", type=int, help="requests timed per page")
+        parser.add_argument("--http-seconds", type=float, help="load per URL against gunicorn")
+        parser.add_argument("--limit-seconds", type=float, help="INSERT+COMMIT loop length")
+        parser.add_argument(
+            "--only", help=f"comma-separated sections (default all): {', '.join(SECTIONS)}"
+        )
+        parser.add_argument("--output", help="JSON path (default bench/results/<date>-<host>.json)")
+        parser.add_argument(
+            "--dbos",
+            action="store_true",
+            help="also run the DBOS peer (../shared/peers) alternately with the throughput runs",
+        )
+        parser.add_argument(
+            "--in-place",
+            action="store_true",
+            help="measure in the configured database as it is (already migrated; the test "
+            "suite uses this) instead of a dedicated one",
+        )
+        parser.add_argument("--keep-database", action="store_true", help="do not drop it")
+        parser.add_argument("--worker", metavar="NAME", help="(internal) run a bench worker")
+
+    def handle(self, *args, **options):
+        if options["worker"]:
+            agents.register()
+            call_command("runworker", name=options["worker"])
+            return
+        try:
+            require_postgres()
+        except NotPostgres as exc:
+            raise CommandError(str(exc)) from None
+        only = set(SECTIONS)
+        if options["only"]:
+            only = {name.strip() for name in options["only"].split(",") if name.strip()}
+            unknown = only - set(SECTIONS)
+            if unknown:
+                raise CommandError(f"unknown sections: {', '.join(sorted(unknown))}")
+        size = {key: values[0 if options["quick"] else 1] for key, values in SIZES.items()}
+        for key in size:
+            if options.get(key) is not None:
+                size[key] = tuple(options[key]) if key == "memory_steps" else options[key]
+        if size["runs"] < 1 or size["steps"] < 1:
+            raise CommandError("--runs and --steps must be at least 1")
+
+        agents.register()
+        log_dir = Path(tempfile.mkdtemp(prefix="agentops-bench-"))
+        began = time.monotonic()
+        meta = self._meta(options, size, only)
+        database = (
+            nullcontext(connection.settings_dict["NAME"])
+            if options["in_place"]
+            else (bench_database(keep=options["keep_database"]))
+        )
+        try:
+            with database as name:
+                self._say(f"database {name}; worker logs in {log_dir}")
+                ctx = measure.Context(
+                    log_dir=log_dir,
+                    worker_env=self._worker_env,
+                    settings_dict=connections["default"].settings_dict,
+                    say=self._say,
+                )
+                results = self._measure(ctx, size, only, dbos=options["dbos"])
+        finally:
+            agents.unregister()
+        meta["elapsed_s"] = round(time.monotonic() - began, 1)
+        meta["load_average_end"] = list(os.getloadavg())
+        report = {"meta": meta, "results": results, "targets": targets(results)}
+        path = self._write(report, options)
+        self.stdout.write(table(report))
+        self.stdout.write(f"\nwritten to {path}")
+        failed = [
+            name for name, value in results.items() if isinstance(value, dict) and "error" in value
+        ]
+        if failed:
+            self.stderr.write(f"failed: {', '.join(failed)}; worker logs kept in {log_dir}")
+        else:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+    # --- pieces -------------------------------------------------------------------------
+
+    def _say(self, message: str) -> None:
+        self.stderr.write(f"[bench {datetime.now(UTC):%H:%M:%S}] {message}")
+        self.stderr.flush()
+
+    def _worker_env(self, **overrides: str) -> dict[str, str]:
+        env = dict(os.environ)
+        env.pop("AGENTOPS_CRASH_AT", None)
+        env.update(
+            {
+                "DJANGO_SETTINGS_MODULE": os.environ.get(
+                    "DJANGO_SETTINGS_MODULE", "agentops.settings"
+                ),
+                "DATABASE_URL": database_url(connections["default"].settings_dict),
+                "PYTHONUNBUFFERED": "1",
+                "LOG_LEVEL": "WARNING",
+                "AGENTOPS_Q_SYNC": "0",
+                "AGENTOPS_Q_WORKERS": "1",
+                "SECRET_KEY": settings.SECRET_KEY,
+                "ALLOWED_HOSTS": ",".join(settings.ALLOWED_HOSTS),
+            }
+        )
+        env.update(overrides)
+        return env
+
+    def _meta(self, options: dict, size: dict, only: set[str]) -> dict:
+        with connection.cursor() as cursor:
+            cursor.execute("SHOW server_version")
+            (pg_version,) = cursor.fetchone()
+            cursor.execute("SHOW synchronous_commit")
+            (sync_commit,) = cursor.fetchone()
+        try:
+            commit = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"],
+                cwd=settings.BASE_DIR,
+                capture_output=True,
+                text=True,
+                timeout=5,
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            commit = ""
+        import django
+
+        return {
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "host": socket.gethostname(),
+            "cpus": os.cpu_count(),
+            "cpu_model": _cpu_model(),
+            "load_average_start": list(os.getloadavg()),
+            "python": platform.python_version(),
+            "django": django.get_version(),
+            "postgresql": pg_version,
+            "synchronous_commit": sync_commit,
+            "git_commit": commit,
+            "quick": options["quick"],
+            "sections": sorted(only),
+            "sizes": size,
+            "debug": settings.DEBUG,
+        }
+
+    def _measure(self, ctx: measure.Context, size: dict, only: set[str], *, dbos: bool) -> dict:
+        results: dict[str, Any] = {}
+        runs, steps = size["runs"], size["steps"]
+        if "throughput" in only:
+            rows = []
+            for workers in (1, 2):
+                limit = measure.insert_commit_limit(
+                    ctx.settings_dict, workers, size["limit_seconds"]
+                )
+                peer = dbos_throughput(ctx, workers, runs, steps) if dbos else None
+                for agent in (agents.READ_AGENT, agents.IDEMPOTENT_AGENT):
+                    row = measure.throughput(
+                        ctx, agent=agent, workers=workers, runs=runs, steps=steps
+                    )
+                    row["insert_commit_per_s"] = limit["commits_per_s"]
+                    row["ratio_to_limit"] = (
+                        round(row["steps_per_s"] / limit["commits_per_s"], 3)
+                        if row["steps_per_s"]
+                        else None
+                    )
+                    if peer is not None:
+                        row["dbos"] = peer
+                    rows.append(row)
+            results["throughput"] = rows
+            connection.close()  # publish this process's counters too
+            time.sleep(1)
+            results["table_writes"] = measure.table_writes(ctx.settings_dict)
+        if "overhead" in only:
+            results["overhead"] = [
+                measure.overhead(agent=agent, runs=size["overhead_runs"], steps=steps)
+                for agent in (agents.READ_AGENT, agents.IDEMPOTENT_AGENT)
+            ]
+            results["per_step_counts"] = [
+                measure.steady_state_counts(agent=agent)
+                for agent in (agents.READ_AGENT, agents.IDEMPOTENT_AGENT)
+            ]
+        if "recovery" in only:
+            results["recovery"] = self._section(
+                ctx,
+                "recovery",
+                lambda: measure.recovery(
+                    ctx, held=size["held"], lease_ttl=size["lease_ttl"], sleep=0.05
+                ),
+            )
+        if "approval" in only:
+            results["approval"] = self._section(
+                ctx, "approval", lambda: measure.approval_dispatch(ctx, count=size["approvals"])
+            )
+        if "memory" in only:
+            results["memory"] = self._section(
+                ctx,
+                "memory",
+                lambda: measure.memory(ctx, checkpoints=tuple(size["memory_steps"]), steps=steps),
+            )
+        if "pages" in only or "http" in only:
+            pages, cookie = measure.pages(
+                ctx,
+                runs=size["page_runs"],
+                big_steps=size["page_steps"],
+                repeat=size["page_repeat"],
+            )
+            results["pages"] = pages
+            if "http" in only:
+                urls = {
+                    label: figures["url"]
+                    for label, figures in pages["pages"].items()
+                    if figures.get("url") and "error" not in figures
+                }
+                results["http"] = measure.http_load(
+                    ctx,
+                    urls=urls,
+                    cookie=cookie,
+                    seconds=size["http_seconds"],
+                    clients=4,
+                    port=_free_port(),
+                )
+        return results
+
+    def _section(self, ctx: measure.Context, name: str, run: Any) -> dict:
+        """A section whose workers fail (a slow machine, a crashed process) is reported with
+        its error and the log directory; the other sections still run and are written."""
+        try:
+            return run()
+        except (measure.WorkerFailed, RuntimeError) as exc:
+            ctx.say(f"{name} failed: {exc}")
+            return {"error": f"{exc} (logs: {ctx.log_dir})"}
+
+    def _write(self, report: dict, options: dict) -> Path:
+        if options["output"]:
+            path = Path(options["output"])
+        else:
+            stamp = datetime.now(UTC).strftime("%Y-%m-%d")
+            suffix = "-quick" if options["quick"] else ""
+            path = (
+                Path(settings.BASE_DIR)
+                / "bench"
+                / "results"
+                / (f"{stamp}-{socket.gethostname()}{suffix}.json")
+            )
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+        return path
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# --- DBOS, side by side ----------------------------------------------------------------------
+
+
+def dbos_throughput(ctx: measure.Context, workers: int, runs: int, steps: int) -> dict:
+    """The peer's own script (../shared/peers/dbos_steps.py), same shape and concurrency, on
+    the same PostgreSQL server, when its virtualenv exists (its README says how to make it)."""
+    peers = Path(
+        os.environ.get("AGENTOPS_PEERS_DIR", Path(settings.BASE_DIR).parent / "shared/peers")
+    )
+    python = Path(os.environ.get("DBOS_PYTHON", "/tmp/dbos-venv/bin/python"))
+    script = peers / "dbos_steps.py"
+    if not script.exists() or not python.exists():
+        return {"skipped": f"no DBOS peer ({script} with {python})"}
+    ctx.say(f"throughput: DBOS, {workers} process(es), {runs} workflows x {steps} steps")
+    server = {**ctx.settings_dict, "NAME": "postgres"}
+    env = dict(os.environ)
+    env.update(
+        {
+            "PEER_PG_DSN": database_url(server),
+            "PEER_DBOS_DB": f"{ctx.settings_dict['NAME']}_dbos"[:63],
+        }
+    )
+    completed = subprocess.run(
+        [
+            str(python),
+            str(script),
+            "throughput",
+            "--procs",
+            str(workers),
+            "-w",
+            str(runs),
+            "-k",
+            str(steps),
+            "--reps",
+            "1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    if completed.returncode != 0:
+        return {"skipped": f"DBOS run failed: {completed.stderr.strip().splitlines()[-1:]}"}
+    try:
+        out = json.loads(completed.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        return {"skipped": "DBOS printed no result"}
+    from psycopg import sql
+
+    from runs.bench.database import admin_connect
+
+    with admin_connect(ctx.settings_dict) as admin:
+        admin.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
+                sql.Identifier(env["PEER_DBOS_DB"])
+            )
+        )
+    return {
+        key: out.get(key)
+        for key in ("steps_per_s", "worker_cpu_ms_per_step", "postgres_cpu_ms_per_step")
+    }
+
+
+# --- targets and the table -------------------------------------------------------------------
+
+
+def _check(name: str, value: Any, limit: Any, holds: bool | None, note: str = "") -> dict:
+    return {"target": name, "value": value, "limit": limit, "holds": holds, "note": note}
+
+
+def targets(results: dict) -> list[dict]:
+    checks = []
+    rows = {(row["agent"], row["workers"]): row for row in results.get("throughput", [])}
+    for agent, factor, label in (
+        (agents.READ_AGENT, 2.0, "read steps/s, 2 workers >= 2x DBOS"),
+        (agents.IDEMPOTENT_AGENT, 1.0, "idempotent steps/s, 2 workers >= DBOS"),
+    ):
+        row = rows.get((agent, 2))
+        if row is None:
+            continue
+        peer = row.get("dbos", {}).get("steps_per_s") if row.get("dbos") else None
+        reference = peer or DBOS_REFERENCE["steps_per_s_2"]
+        value = row["steps_per_s"]
+        checks.append(
+            _check(
+                label,
+                value,
+                round(factor * reference, 1),
+                None if value is None else value >= factor * reference,
+                "DBOS measured in this run" if peer else "DBOS from ../shared/peers/README.md",
+            )
+        )
+    for counts, limit in zip(results.get("per_step_counts", []), (2, 3), strict=False):
+        overall = next(
+            (
+                r["commits_per_step"]
+                for r in results.get("overhead", [])
+                if r["agent"] == counts["agent"]
+            ),
+            None,
+        )
+        checks.append(
+            _check(
+                f"commits per step, {counts['agent'].split('.')[-1]} <= {limit}",
+                counts["commits_per_step"],
+                limit,
+                counts["commits_per_step"] <= limit,
+                f"per step in a run; {overall} with the claim and finish amortised over K",
+            )
+        )
+    for row in results.get("overhead", []):
+        if row["agent"] == agents.READ_AGENT:
+            value = row["step_ms_p50"]
+            checks.append(
+                _check(
+                    "engine overhead p50 <= 2 ms per step",
+                    value,
+                    2.0,
+                    None if value is None else value <= 2.0,
+                    f"DBOS {DBOS_REFERENCE['step_ms_p50']} ms",
+                )
+            )
+    recovery = results.get("recovery")
+    if recovery and "error" not in recovery:
+        limit = recovery["lease_ttl_s"] + 2
+        value = recovery.get("survivor_s_max")
+        checks.append(
+            _check(
+                "recovery by the surviving worker <= lease TTL + 2 s",
+                value,
+                limit,
+                None if value is None else value <= limit,
+            )
+        )
+        value = recovery.get("cold_start_first_progress_s")
+        checks.append(
+            _check(
+                "cold start to first progress <= 1 s",
+                value,
+                1.0,
+                None if value is None else value <= 1.0,
+                "DBOS 0.81 s",
+            )
+        )
+    approval = results.get("approval")
+    if approval and "error" not in approval:
+        value = approval["ms_p50"]
+        checks.append(
+            _check(
+                "approval -> dispatch p50 <= 300 ms",
+                value,
+                300,
+                None if value is None else value <= 300,
+            )
+        )
+    pages = results.get("pages", {}).get("pages", {})
+    for label, limit in (("runs list", 100), ("run detail (1 run of N steps)", 200)):
+        figures = pages.get(label)
+        if figures and "ms_p95" in figures:
+            checks.append(
+                _check(
+                    f"{label} p95 <= {limit} ms",
+                    figures["ms_p95"],
+                    limit,
+                    figures["ms_p95"] <= limit,
+                )
+            )
+    constant = [f.get("queries_constant") for f in pages.values() if "queries_constant" in f]
+    if constant:
+        checks.append(
+            _check("page query counts constant in rows", all(constant), True, all(constant))
+        )
+    memory = results.get("memory")
+    if memory and memory.get("growth_pct") is not None:
+        checks.append(
+            _check("worker RSS growth < 10%", memory["growth_pct"], 10, memory["growth_pct"] < 10)
+        )
+    return checks
+
+
+def table(report: dict) -> str:
+    results, meta = report["results"], report["meta"]
+    lines = [
+        "",
+        f"agentops bench  {meta['date']}  {meta['host']}  {meta['cpus']} CPUs  "
+        f"PostgreSQL {meta['postgresql']}  load {meta['load_average_start'][0]:.2f}"
+        f"{'  (quick)' if meta['quick'] else ''}",
+    ]
+    if results.get("throughput"):
+        lines += ["", "step throughput (W runs x K no-op tool steps, real workers)"]
+        lines.append(
+            f"  {'tool':<11}{'workers':>8}{'steps/s':>9}{'limit/s':>9}{'ratio':>7}"
+            f"{'commits/step':>14}{'cpu ms/step':>13}{'DBOS/s':>8}"
+        )
+        for row in results["throughput"]:
+            peer = (row.get("dbos") or {}).get("steps_per_s")
+            lines.append(
+                f"  {row['agent'].split('.')[-1]:<11}{row['workers']:>8}{_f(row['steps_per_s']):>9}"
+                f"{_f(row['insert_commit_per_s']):>9}{_f(row['ratio_to_limit']):>7}"
+                f"{_f(row['commits_per_step']):>14}{_f(row['worker_cpu_ms_per_step']):>13}"
+                f"{_f(peer):>8}"
+            )
+    if results.get("overhead"):
+        lines += ["", "engine overhead per step (sequential, in process)"]
+        counts = {c["agent"]: c for c in results.get("per_step_counts", [])}
+        for row in results["overhead"]:
+            c = counts.get(row["agent"], {})
+            lines.append(
+                f"  {row['agent'].split('.')[-1]:<11} p50 {_f(row['step_ms_p50'])} ms  "
+                f"p95 {_f(row['step_ms_p95'])} ms  cpu p50 {_f(row['step_cpu_ms_p50'])} ms  "
+                f"postgres cpu {_f(row['postgres_cpu_ms_per_step'])} ms  "
+                f"per step: {c.get('queries_per_step')} queries, {c.get('commits_per_step')} "
+                f"commits (+{c.get('commits_per_run_besides_steps')} per run)"
+            )
+    for name in ("recovery", "approval", "memory"):
+        if "error" in results.get(name, {}):
+            lines += ["", f"{name}: FAILED: {results[name]['error']}"]
+    if results.get("recovery") and "error" not in results["recovery"]:
+        r = results["recovery"]
+        lines += [
+            "",
+            f"recovery (lease TTL {r['lease_ttl_s']} s, {r['runs_held']} runs held): survivor "
+            f"{r.get('survivor_s')} s; cold start first progress "
+            f"{_f(r.get('cold_start_first_progress_s'))} s, all {_f(r.get('cold_start_all_progress_s'))} s",
+        ]
+    if results.get("approval") and "error" not in results["approval"]:
+        a = results["approval"]
+        lines += [
+            "",
+            f"approval -> dispatch: p50 {_f(a['ms_p50'])} ms, p95 {_f(a['ms_p95'])} ms "
+            f"({a['dispatched']}/{a['approvals']})",
+        ]
+    if results.get("memory") and "error" not in results["memory"]:
+        m = results["memory"]
+        samples = ", ".join(
+            f"{key} steps {value['rss_mb_group']} MB" for key, value in m["samples"].items()
+        )
+        lines += ["", f"worker RSS (process group): {samples}; growth {_f(m['growth_pct'])}%"]
+    if results.get("pages"):
+        p = results["pages"]
+        lines += [
+            "",
+            f"pages ({p['runs_in_table']} runs, a run of {p['big_run_steps']} steps; "
+            "server time in process)",
+        ]
+        http = results.get("http", {})
+        for label, f in p["pages"].items():
+            if "error" in f:
+                lines.append(f"  {label:<32} {f['error']}")
+                continue
+            rps = http.get(label, {}).get("requests_per_s")
+            lines.append(
+                f"  {label:<32} p50 {_f(f['ms_p50']):>7} ms  p95 {_f(f['ms_p95']):>7} ms  "
+                f"{f['queries']:>3} queries ({f.get('queries_with_few_rows')} with few rows)"
+                + (f"  {rps} req/s (gunicorn)" if rps is not None else "")
+            )
+    if report["targets"]:
+        lines += ["", "targets"]
+        for check in report["targets"]:
+            verdict = {True: "holds", False: "MISSED", None: "n/a"}[check["holds"]]
+            lines.append(
+                f"  {verdict:<7} {check['target']}: {check['value']} (limit {check['limit']})"
+                + (f"  [{check['note']}]" if check["note"] else "")
+            )
+    return "\n".join(lines)
+
+
+def _f(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.2f}" if value < 10 else f"{value:.1f}" if value < 1000 else f"{value:.0f}"
+    return str(value)

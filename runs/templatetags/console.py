@@ -1,0 +1,56 @@
+"""Template helpers for the console: relative times with the absolute time beside them."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from django import template
+from django.utils import timezone
+from django.utils.formats import date_format
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
+from django.utils.timesince import timesince, timeuntil
+
+register = template.Library()
+
+
+def _relative(value: datetime, now: datetime) -> str:
+    if abs((now - value).total_seconds()) < 45:
+        return "just now"
+    if value <= now:
+        return timesince(value, now, depth=1) + " ago"
+    return "in " + timeuntil(value, now, depth=1)
+
+
+@register.filter(name="ago", expects_localtime=False)
+def ago(value: datetime | None) -> SafeString | str:
+    """``<time>`` with "3 minutes ago" as text, and the absolute time in the operator's
+    timezone (the middleware activates it) in the title: the relative form answers "how
+    long", the title answers "when exactly" during an incident review."""
+    if not value:
+        return "—"
+    local = timezone.localtime(value)
+    absolute = date_format(local, "Y-m-d H:i:s T")
+    return format_html(
+        '<time datetime="{}" title="{}">{}</time>',
+        value.isoformat(),
+        absolute,
+        _relative(value, timezone.now()),
+    )
+
+
+@register.filter(name="localstamp", expects_localtime=False)
+def localstamp(value: datetime | None) -> SafeString | str:
+    """The absolute time in the operator's timezone, in a ``<time>`` element."""
+    if not value:
+        return "—"
+    local = timezone.localtime(value)
+    return format_html(
+        '<time datetime="{}">{}</time>', value.isoformat(), date_format(local, "Y-m-d H:i:s T")
+    )
+
+
+@register.filter(name="shortid")
+def shortid(value: object) -> str:
+    """The first 8 hex digits of a UUID: what operators read aloud and type into search."""
+    return str(value)[:8]

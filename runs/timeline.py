@@ -1,0 +1,413 @@
+"""A run's story for people: its events grouped by incarnation (pure functions, no queries).
+
+Every process that advances a run first claims its lease (``run.claimed``, the fence is the
+incarnation number) and writes every later event under that fence, as ``worker:<name>``. An
+incarnation ends when its worker releases the lease (``run.released``, waiting for a person,
+finishing) — or it never ends cleanly: the process died or was partitioned, and the next
+``run.claimed`` (``recovered: true``) takes over. The last event the dead incarnation
+committed tells where it stopped, named by its checkpoint boundary (DESIGN §4).
+
+Events written by people and the system outside any lease (an operator's pause, an
+approval decision, a signal) form their own groups between incarnations, so an operator can
+read "w-2 lost its lease at ``dispatching``; w-5 resumed at 14:03:07, reconciled call #4 →
+succeeded" straight off the page.
+
+The builder works on a window of events (the latest N, or an older page): a group cut by the
+window's start is marked ``continued``, one cut by its end ``continues``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+# Event types after which the worker that wrote them holds no lease any more.
+_RELEASING = frozenset(
+    {
+        "run.released",
+        "run.needs_attention",
+        "run.paused",
+        "run.succeeded",
+        "run.failed",
+        "run.terminated",
+        # waiting for an approval, a signal, a timer or an answer: the lease is released in
+        # the same commit
+        "run.waiting",
+    }
+)
+
+# The checkpoint boundary (DESIGN §4) whose commit contains an event of this type: where a
+# worker whose last commit held this event stopped.
+_BOUNDARY = {
+    "run.claimed": "claimed",
+    "run.migrated": "claimed",
+    "step.decided": "decided",
+    "approval.requested": "approval_requested",
+    "approval.consumed": "dispatching",
+    "tool.dispatching": "dispatching",
+    "tool.succeeded": "receipt_recorded",
+    "tool.failed": "receipt_recorded",
+    "step.failed": "step_completed",
+    "tool.unknown": "outcome unknown",
+    "tool.reconcile_attempted": "reconciliation",
+    "run.waiting": "waiting",
+    "run.wait_ended": "step_completed",
+    "run.wait_timed_out": "step_completed",
+}
+
+
+@dataclass
+class Entry:
+    """One event as a line of the timeline."""
+
+    seq: int
+    type: str
+    actor: str
+    channel: str
+    at: datetime
+    incarnation: int | None
+    text: str
+    payload: Mapping[str, Any]
+    # the step a ``step.decided`` names (with its tool call and receipt), when loaded
+    step: Any = None
+    by_person: bool = False
+
+    @property
+    def payload_json(self) -> str:
+        return json.dumps(self.payload, indent=2, sort_keys=True, default=str)
+
+
+@dataclass
+class Group:
+    """One incarnation of the run (``kind == "incarnation"``) or events outside any lease
+    (``kind == "outside"``)."""
+
+    kind: str
+    incarnation: int | None = None
+    worker: str = ""
+    recovered: bool = False
+    started_at: datetime | None = None
+    entries: list[Entry] = field(default_factory=list)
+    # how it ended: "released", "lost", "holding", "expired" or "" (still open / cut off)
+    end: str = ""
+    end_text: str = ""
+    lost_at: str = ""  # the boundary of its last commit, when the lease was lost
+    taken_over_by: str = ""  # the worker whose claim ended it
+    notes: list[str] = field(default_factory=list)  # what it did that a person looks for
+    continued: bool = False  # began before the window
+    continues: bool = False  # goes on after the window
+    closed: bool = False
+
+    @property
+    def title(self) -> str:
+        if self.kind == "outside":
+            return "Outside any lease"
+        who = f"worker {self.worker}" if self.worker else "a worker"
+        verb = "resumed" if self.recovered else "claimed"
+        if self.continued:
+            return f"Incarnation {self.incarnation} · {who} (earlier events not shown)"
+        return f"Incarnation {self.incarnation} · {who} {verb} the run"
+
+    @property
+    def summary(self) -> str:
+        """One sentence: who, what it did that matters, how it ended."""
+        parts: list[str] = []
+        if self.kind == "incarnation" and not self.continued:
+            when = f" at {self.started_at:%H:%M:%S}" if self.started_at else ""
+            if self.recovered:
+                parts.append(f"{self.worker} resumed{when} after a lost lease")
+            else:
+                parts.append(f"{self.worker} claimed{when}")
+        parts.extend(self.notes)
+        if self.end_text:
+            parts.append(self.end_text)
+        return "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class LeaseNow:
+    """The run's lease as it is now, to tell "still holding" from "lost" for the last
+    incarnation in the window."""
+
+    owner: str
+    fence: int
+    live: bool
+
+
+def _worker_of(actor: str) -> str:
+    return actor.removeprefix("worker:") if actor.startswith("worker:") else ""
+
+
+def _call(payload: Mapping[str, Any]) -> str:
+    seq = payload.get("seq")
+    tool = payload.get("tool")
+    name = f" ({tool})" if tool else ""
+    return f"call #{seq}{name}" if seq is not None else f"call{name}"
+
+
+def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> str:
+    """A short human sentence for one event; unknown types fall back to their name."""
+    p = payload
+    by = p.get("by") or actor
+    match event_type:
+        case "run.created":
+            principal = p.get("principal")
+            on_behalf = f" for {principal}" if principal else ""
+            return f"created on {p.get('agent')} v{p.get('agent_version')}{on_behalf}"
+        case "run.claimed":
+            how = "took over after a lost lease" if p.get("recovered") else "claimed the lease"
+            return f"{p.get('worker')} {how} (incarnation {p.get('fence')})"
+        case "run.released":
+            wake = f", wakes at {p['wake_at']}" if p.get("wake_at") else ""
+            return f"released the lease ({p.get('status')}{wake})"
+        case "run.migrated":
+            return f"state migrated from v{p.get('from')} to v{p.get('to')}"
+        case "step.decided":
+            kind = p.get("kind", "")
+            what = f" → {p['tool']}" if p.get("tool") else ""
+            refused = f" (refused: {p['refused']})" if p.get("refused") else ""
+            return f"step #{p.get('seq')} decided: {kind}{what}{refused}"
+        case "step.failed":
+            return f"step #{p.get('seq')} failed: {p.get('error', '')}"
+        case "tool.dispatching":
+            return f"{_call(p)} dispatching, attempt {p.get('attempt')}"
+        case "tool.succeeded" | "tool.failed":
+            outcome = event_type.split(".")[1]
+            ref = f", ref {p['external_ref']}" if p.get("external_ref") else ""
+            return f"{_call(p)} → {outcome} (from {p.get('source', 'tool')}{ref})"
+        case "tool.unknown":
+            error = f": {p['error']}" if p.get("error") else ""
+            return f"{_call(p)} outcome unknown{error}"
+        case "tool.reconcile_attempted":
+            detail = f" ({p['detail']})" if p.get("detail") else ""
+            return f"{_call(p)} looked up by key, attempt {p.get('attempt')}: {p.get('outcome')}{detail}"
+        case "tool.resolved":
+            risk = " (unsafe risk confirmed)" if p.get("confirmed_risk") else ""
+            ref = f", ref {p['external_ref']}" if p.get("external_ref") else ""
+            return f"{_call(p)} resolved as {p.get('outcome')} by {by}{ref}{risk}"
+        case "tool.cancelled":
+            return f"{_call(p)} cancelled ({p.get('reason', '')})"
+        case "approval.requested":
+            return f"approval #{p.get('approval')} requested for {_call(p)} from {p.get('group')}"
+        case "approval.decided":
+            return f"approval #{p.get('approval')} {p.get('decision')} by {by}"
+        case "approval.consumed":
+            return f"approval for {_call(p)} consumed"
+        case "approval.expired" | "approval.cancelled":
+            return f"approval #{p.get('approval')} {event_type.split('.')[1]}"
+        case "run.waiting":
+            return f"waiting on {p.get('on')}" + (f" for {_call(p)}" if p.get("tool") else "")
+        case "run.needs_attention":
+            return f"needs attention: {p.get('reason')} — {p.get('detail', '')}"
+        case "run.paused":
+            reason = f": {p['reason']}" if p.get("reason") else ""
+            return f"paused by {by}{reason}"
+        case "run.pause_requested" | "run.terminate_requested":
+            action = event_type.split(".")[1].removesuffix("_requested")
+            return f"{action} requested by {by}: {p.get('reason') or 'no reason given'}"
+        case "run.resumed":
+            return f"resumed by {by}"
+        case "run.terminated":
+            return f"terminated by {by}: {p.get('reason', '')}"
+        case "run.budget_topped_up":
+            return f"budget topped up by {by}: {_limits_change(p)}"
+        case "run.recovery_retried":
+            return f"recovery retried by {by} (recovered {p.get('recovery_count')} times so far)"
+        case "run.forked":
+            if p.get("to_run"):
+                return f"forked by {by} from step #{p.get('from_step')} to run {p['to_run']}"
+            return f"forked by {by} from run {p.get('from_run')} at step #{p.get('from_step')}"
+        case "run.succeeded" | "run.failed":
+            reason = f": {p['reason']}" if p.get("reason") else ""
+            return f"{event_type.split('.')[1]}{reason}"
+        case "run.signalled":
+            return f"signal {p.get('name')!r} received from {actor}"
+        case "question.asked":
+            return f"question #{p.get('question_id')} asked of {p.get('group')}"
+        case "question.answered":
+            return f"question #{p.get('question_id')} answered by {by}"
+    return event_type
+
+
+def _limits_change(p: Mapping[str, Any]) -> str:
+    before, after = p.get("before") or {}, p.get("after") or {}
+    changes = [
+        f"{key} {before.get(key)} → {after.get(key)}"
+        for key in ("max_steps", "max_cost", "max_tokens", "deadline")
+        if before.get(key) != after.get(key)
+    ]
+    return ", ".join(changes) or "no change"
+
+
+def _note(event_type: str, p: Mapping[str, Any]) -> str:
+    """What an incarnation did that an operator reading its summary looks for."""
+    match event_type:
+        case "tool.succeeded" | "tool.failed" if p.get("source") == "reconciliation":
+            return f"reconciled {_call(p)} → {event_type.split('.')[1]}"
+        case "tool.reconcile_attempted" if p.get("outcome") != "found":
+            return f"looked up {_call(p)}: {p.get('outcome')}"
+        case "tool.unknown":
+            return f"{_call(p)} outcome unknown"
+        case "run.migrated":
+            return f"migrated v{p.get('from')} → v{p.get('to')}"
+        case "tool.dispatching" if (p.get("attempt") or 0) > 1:
+            return f"dispatched {_call(p)} again (attempt {p.get('attempt')})"
+    return ""
+
+
+def _closing_text(event_type: str, p: Mapping[str, Any]) -> str:
+    match event_type:
+        case "run.released":
+            return f"released the lease ({p.get('status')})"
+        case "run.needs_attention":
+            return f"stopped for a person ({p.get('reason')})"
+        case "run.waiting":
+            return f"released the lease, waiting on {p.get('on')}"
+        case "run.paused":
+            return "paused"
+    return f"finished the run ({event_type.removeprefix('run.')})"
+
+
+def build(
+    events: Iterable[Any],
+    *,
+    steps: Mapping[int, Any] | None = None,
+    lease: LeaseNow | None = None,
+    continued: bool = False,
+    continues: bool = False,
+) -> list[Group]:
+    """Group ``events`` (ascending ``seq``) into incarnations.
+
+    ``steps``: seq → Step, attached to ``step.decided`` entries. ``lease``: the run's lease
+    now, for the last incarnation (None for an older page, whose last group ``continues``).
+    ``continued``: events before the window exist.
+    """
+    steps = steps or {}
+    groups: list[Group] = []
+    current: Group | None = None  # the incarnation whose worker may still write
+    for index, event in enumerate(events):
+        payload = event.payload or {}
+        worker = _worker_of(event.actor)
+        entry = Entry(
+            seq=event.seq,
+            type=event.type,
+            actor=event.actor,
+            channel=event.channel,
+            at=event.created_at,
+            incarnation=event.incarnation,
+            text=describe(event.type, payload, event.actor),
+            payload=payload,
+            step=steps.get(payload.get("seq")) if event.type == "step.decided" else None,
+            by_person=event.actor.startswith("user:"),
+        )
+        if event.type == "run.claimed":
+            if current is not None and not current.closed:
+                _mark_lost(current, by=worker)
+            current = Group(
+                kind="incarnation",
+                incarnation=payload.get("fence", event.incarnation),
+                worker=worker,
+                recovered=bool(payload.get("recovered")),
+                started_at=event.created_at,
+            )
+            groups.append(current)
+        elif worker and (current is None or current.incarnation != event.incarnation):
+            # the window starts inside this incarnation
+            if current is not None and not current.closed:
+                _mark_lost(current, by=worker)
+            current = Group(
+                kind="incarnation",
+                incarnation=event.incarnation,
+                worker=worker,
+                continued=continued and index == 0,
+            )
+            groups.append(current)
+        elif not worker and (current is None or current.closed):
+            # a person or the system acting while no worker holds the lease
+            if not groups or groups[-1].kind != "outside":
+                groups.append(Group(kind="outside", continued=continued and index == 0))
+            groups[-1].entries.append(entry)
+            if event.type in ("run.terminated", "run.forked") and current is not None:
+                current.closed = True
+            continue
+        assert current is not None
+        current.entries.append(entry)
+        if worker:
+            note = _note(event.type, payload)
+            if note and note not in current.notes:
+                current.notes.append(note)
+            if event.type in _RELEASING:
+                current.closed = True
+                current.end = "released"
+                current.end_text = _closing_text(event.type, payload)
+        elif event.type == "run.terminated" and not current.closed:
+            # an operator terminated the run while this incarnation's lease had expired:
+            # this incarnation writes nothing more
+            _mark_lost(current, by="")
+    if current is not None and not current.closed:
+        if continues:
+            current.continues = True
+        elif lease is not None and lease.live and lease.fence == current.incarnation:
+            current.end = "holding"
+            current.end_text = "holds the lease"
+        elif lease is not None and lease.fence == current.incarnation and lease.owner:
+            current.end = "expired"
+            current.end_text = (
+                f"its lease expired after {_boundary(current)}; another worker takes over"
+            )
+        else:
+            _mark_lost(current, by="")
+    return groups
+
+
+def _boundary(group: Group) -> str:
+    for entry in reversed(group.entries):
+        if entry.actor.startswith("worker:"):
+            return _BOUNDARY.get(entry.type, entry.type)
+    return "claimed"
+
+
+def _mark_lost(group: Group, *, by: str) -> None:
+    group.closed = True
+    group.end = "lost"
+    group.lost_at = _boundary(group)
+    group.taken_over_by = by
+    after = f"; {by} took over" if by else ""
+    group.end_text = f"lost its lease at {group.lost_at}{after}"
+
+
+def step_seqs(events: Sequence[Any]) -> list[int]:
+    """The step numbers the window's ``step.decided`` events name (to load those steps)."""
+    return [
+        e.payload["seq"]
+        for e in events
+        if e.type == "step.decided" and isinstance((e.payload or {}).get("seq"), int)
+    ]
+
+
+def reconciliation_history(events: Iterable[Any]) -> dict[tuple[Any, int], list[Entry]]:
+    """(run id, step seq) → the lookups, unknown marks, dispatches and resolutions of that
+    call, oldest first: what the unknown-outcomes inbox shows under each call."""
+    history: dict[tuple[Any, int], list[Entry]] = {}
+    for event in events:
+        payload = event.payload or {}
+        seq = payload.get("seq")
+        if not isinstance(seq, int):
+            continue
+        history.setdefault((event.run_id, seq), []).append(
+            Entry(
+                seq=event.seq,
+                type=event.type,
+                actor=event.actor,
+                channel=event.channel,
+                at=event.created_at,
+                incarnation=event.incarnation,
+                text=describe(event.type, payload, event.actor),
+                payload=payload,
+                by_person=event.actor.startswith("user:"),
+            )
+        )
+    return history

@@ -1,0 +1,291 @@
+"""Webhooks (issue 6): an API token's callback URL hears what its principal's runs need.
+
+Events (``X``: the run event that causes it):
+
+- ``approval.decided`` (``approval.decided``) — a person decided one of the run's approvals;
+- ``run.needs_attention`` (``run.needs_attention``) — the run waits for a person;
+- ``run.lease_expired`` (``run.lease_expired``) — a remote agent process stopped heartbeating;
+- ``run.finished`` (``run.succeeded``, ``run.failed``, ``run.terminated``).
+
+A token receives the events of runs whose principal is the token's principal. Each becomes a
+``WebhookDelivery`` row written *inside the transaction that appends the event*
+(``runs.events.register_event_listener``): an event that commits always gets its delivery,
+a rolled-back one never does. Workers deliver due rows from the sweeper
+(``webhooks_deliver_due``), outside any transaction, retrying failures with exponential
+backoff; every attempt's status code or error is recorded on the row.
+
+Signing: ``Agentops-Webhook-Signature: v1=<hex HMAC-SHA256(secret, "<timestamp>." + body)>``
+with ``Agentops-Webhook-Timestamp`` (Unix seconds), so a receiver can refuse stale or
+replayed requests (``agentops.client.verify_webhook``). Callback URLs that resolve to a
+private, loopback, link-local or otherwise reserved address are refused unless it lies in
+``AGENTOPS["WEBHOOK_ALLOWED_NETWORKS"]``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import socket
+import time
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+import httpx
+from django.conf import settings
+from django.db.models import Q
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from runs.events import Checkpoint, register_event_listener
+from runs.models import ApiToken, WebhookDelivery
+
+log = logging.getLogger(__name__)
+
+SIGNATURE_HEADER = "Agentops-Webhook-Signature"
+TIMESTAMP_HEADER = "Agentops-Webhook-Timestamp"
+EVENT_HEADER = "Agentops-Webhook-Event"
+DELIVERY_HEADER = "Agentops-Webhook-Id"
+
+# run event type -> webhook event type
+EVENT_TYPES: dict[str, str] = {
+    "approval.decided": "approval.decided",
+    "run.needs_attention": "run.needs_attention",
+    "run.lease_expired": "run.lease_expired",
+    "run.succeeded": "run.finished",
+    "run.failed": "run.finished",
+    "run.terminated": "run.finished",
+}
+WEBHOOK_EVENTS = ("approval.decided", "run.needs_attention", "run.lease_expired", "run.finished")
+
+# a claimed delivery is not picked up by another sweeper for this long (longer than a send)
+CLAIM_SECONDS = 60
+SEND_TIMEOUT = 10.0
+
+
+def _conf(name: str, default: Any) -> Any:
+    return settings.AGENTOPS.get(name, default)
+
+
+def _live_tokens(principal_id: Any):
+    return (
+        ApiToken.objects.filter(principal_id=principal_id, revoked_at__isnull=True)
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=Now()))
+        .exclude(webhook_url="")
+    )
+
+
+def enqueue_for_checkpoint(cp: Checkpoint) -> None:
+    """The event listener: inside the checkpoint's transaction, one delivery per matching
+    event per subscribed token."""
+    matching = [event for event in cp.events if event.type in EVENT_TYPES]
+    if not matching or cp.run.principal_id is None:
+        return
+    token_ids = list(_live_tokens(cp.run.principal_id).values_list("id", flat=True))
+    if not token_ids:
+        return
+    status = cp.updates.get("status", cp.run.status)
+    if not isinstance(status, str):
+        status = cp.run.status
+    rows = []
+    for event in matching:
+        body = {
+            "type": EVENT_TYPES[event.type],
+            "run": {"id": str(cp.run.id), "agent": cp.run.agent_name, "status": status},
+            "event": {
+                "seq": event.seq,
+                "type": event.type,
+                "created_at": event.created_at.isoformat(),
+                "actor": event.actor,
+                "payload": event.payload,
+            },
+        }
+        rows += [
+            WebhookDelivery(
+                token_id=token_id, run_id=cp.run.id, event_type=body["type"], payload=body
+            )
+            for token_id in token_ids
+        ]
+    WebhookDelivery.objects.bulk_create(rows)
+
+
+def enqueue_for_alert(alert: Any) -> None:
+    """``runs.alerts`` listener: alerts that are not about one run's events (a worker stopped,
+    no live worker) go to admins' tokens as ``alert.raised``; a run needing attention is
+    already sent as ``run.needs_attention`` with its event."""
+    if alert.kind == "run_needs_attention":
+        return
+    from django.contrib.auth import get_user_model
+
+    admins = get_user_model().objects.filter(
+        Q(is_superuser=True) | Q(groups__name="admin"), is_active=True
+    )
+    tokens = (
+        ApiToken.objects.filter(principal__in=admins, revoked_at__isnull=True)
+        .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=Now()))
+        .exclude(webhook_url="")
+        .distinct()
+    )
+    body = {
+        "type": "alert.raised",
+        "alert": {
+            "kind": alert.kind,
+            "cause": alert.cause,
+            "worker": alert.worker_name,
+            "detail": alert.detail,
+            "created_at": alert.created_at.isoformat() if alert.created_at else None,
+        },
+    }
+    WebhookDelivery.objects.bulk_create(
+        WebhookDelivery(token=token, event_type="alert.raised", payload=body) for token in tokens
+    )
+
+
+def install() -> None:
+    """Called from ``RunsConfig.ready``."""
+    from runs.sweeper import register_sweep_hook
+
+    register_event_listener(enqueue_for_checkpoint)
+    register_sweep_hook(webhooks_deliver_due)
+    try:
+        from runs import alerts
+    except ImportError:  # pragma: no cover - alerts are optional to this module
+        return
+    if enqueue_for_alert not in alerts.ALERT_LISTENERS:
+        alerts.ALERT_LISTENERS.append(enqueue_for_alert)
+
+
+# --- signing ------------------------------------------------------------------------------------
+
+
+def sign(secret: str, timestamp: str, body: bytes) -> str:
+    mac = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256)
+    return "v1=" + mac.hexdigest()
+
+
+def encode(payload: Any) -> bytes:
+    return json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+# --- where we may send ----------------------------------------------------------------------------
+
+
+def url_refusal(url: str) -> str:
+    """Why this callback URL may not be called (empty when it may). Every address the host
+    resolves to must be public, or inside ``AGENTOPS["WEBHOOK_ALLOWED_NETWORKS"]``: a webhook
+    must not become a way to reach internal services. Checked when a delivery is sent
+    (addresses change); a name that resolves differently between this check and the
+    connection is a residual risk that an egress proxy with its own rules removes."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "the callback URL must be http(s) with a host"
+    allowed = [
+        ipaddress.ip_network(net, strict=False) for net in _conf("WEBHOOK_ALLOWED_NETWORKS", [])
+    ]
+    try:
+        infos = socket.getaddrinfo(parts.hostname, parts.port or 443, proto=socket.IPPROTO_TCP)
+    except OSError as exc:
+        return f"cannot resolve {parts.hostname}: {exc}"
+    for info in infos:
+        address = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+        if any(address.version == net.version and address in net for net in allowed):
+            continue
+        if not address.is_global or address.is_multicast:
+            return f"{parts.hostname} resolves to {address}, a non-public address"
+    return ""
+
+
+# --- delivering ----------------------------------------------------------------------------------
+
+
+def _backoff(attempts: int) -> float:
+    base = float(_conf("WEBHOOK_BACKOFF", 5.0))
+    return min(base * (2 ** max(attempts - 1, 0)), 3600.0)
+
+
+def _claim(delivery_id: int, attempts: int) -> bool:
+    """One sweeper sends a delivery: the claim moves its next attempt out of reach."""
+    return (
+        WebhookDelivery.objects.filter(
+            id=delivery_id, status=WebhookDelivery.Status.PENDING, attempts=attempts
+        )
+        .filter(Q(next_attempt_at__isnull=True) | Q(next_attempt_at__lte=Now()))
+        .update(next_attempt_at=Now() + timedelta(seconds=CLAIM_SECONDS))
+        == 1
+    )
+
+
+def deliver(delivery: WebhookDelivery) -> bool:
+    """Send one delivery (no transaction is open) and record the attempt."""
+    token = delivery.token
+    error, status_code = "", None
+    if not token.webhook_url or token.revoked_at is not None:
+        error = "the token no longer has a callback URL"
+    elif not token.webhook_secret:
+        error = "the token has no webhook secret to sign with"
+    else:
+        error = url_refusal(token.webhook_url)
+    permanent = bool(error)
+    if not error:
+        body = encode(delivery.payload)
+        timestamp = str(int(time.time()))
+        headers = {
+            "Content-Type": "application/json",
+            "User-Agent": "agentops-webhooks/1",
+            DELIVERY_HEADER: str(delivery.id),
+            EVENT_HEADER: delivery.event_type,
+            TIMESTAMP_HEADER: timestamp,
+            SIGNATURE_HEADER: sign(token.webhook_secret, timestamp, body),
+        }
+        try:
+            response = httpx.post(
+                token.webhook_url,
+                content=body,
+                headers=headers,
+                timeout=SEND_TIMEOUT,
+                follow_redirects=False,
+            )
+            status_code = response.status_code
+            if not 200 <= status_code < 300:
+                error = f"answered {status_code}"
+        except httpx.HTTPError as exc:
+            error = f"{type(exc).__name__}: {exc}"[:2000]
+    attempts = delivery.attempts + 1
+    if not error:
+        WebhookDelivery.objects.filter(id=delivery.id).update(
+            status=WebhookDelivery.Status.DELIVERED,
+            attempts=attempts,
+            last_status_code=status_code,
+            last_error="",
+            delivered_at=Now(),
+            next_attempt_at=None,
+        )
+        return True
+    give_up = permanent or attempts >= int(_conf("WEBHOOK_MAX_ATTEMPTS", 8))
+    WebhookDelivery.objects.filter(id=delivery.id).update(
+        status=WebhookDelivery.Status.FAILED if give_up else WebhookDelivery.Status.PENDING,
+        attempts=attempts,
+        last_status_code=status_code,
+        last_error=error,
+        next_attempt_at=None if give_up else timezone.now() + timedelta(seconds=_backoff(attempts)),
+    )
+    log.info("webhook delivery %s attempt %s failed: %s", delivery.id, attempts, error)
+    return False
+
+
+def webhooks_deliver_due(limit: int = 50) -> int:
+    """The sweep hook: send every due delivery once. Returns how many were delivered."""
+    due = list(
+        WebhookDelivery.objects.filter(status=WebhookDelivery.Status.PENDING)
+        .filter(Q(next_attempt_at__isnull=True) | Q(next_attempt_at__lte=Now()))
+        .select_related("token")
+        .order_by("id")[:limit]
+    )
+    delivered = 0
+    for delivery in due:
+        if _claim(delivery.id, delivery.attempts):
+            delivered += deliver(delivery)
+    return delivered

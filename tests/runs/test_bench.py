@@ -1,0 +1,145 @@
+"""``manage.py bench``: refuses SQLite with one clear line; on PostgreSQL a tiny run writes
+a report whose shape docs/benchmarks.md describes (the numbers themselves are not asserted:
+speed goes to the benchmark, not to the test suite)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from django.conf import settings
+from django.core.management import CommandError, call_command
+from django.db import connection
+
+from runs.bench import agents
+from runs.registry import registry
+
+needs_postgres = pytest.mark.skipif(
+    settings.IS_SQLITE, reason="bench measures PostgreSQL only (on SQLite it refuses to run)"
+)
+
+
+@pytest.mark.skipif(not settings.IS_SQLITE, reason="the SQLite refusal is checked on SQLite")
+def test_it_refuses_sqlite_with_one_line_and_a_nonzero_exit(tmp_path):
+    env = dict(os.environ, DATABASE_URL=f"sqlite:///{tmp_path / 'x.sqlite3'}")
+    done = subprocess.run(
+        [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "bench", "--quick"],
+        cwd=settings.BASE_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "bench needs PostgreSQL" in lines[0]
+
+
+@pytest.mark.django_db
+@pytest.mark.skipif(not settings.IS_SQLITE, reason="the SQLite refusal is checked on SQLite")
+def test_call_command_raises_command_error_on_sqlite():
+    with pytest.raises(CommandError, match="bench needs PostgreSQL"):
+        call_command("bench", "--quick")
+
+
+@needs_postgres
+@pytest.mark.django_db(transaction=True)
+def test_quick_in_process_sections_report_their_figures(tmp_path, roles):
+    output = tmp_path / "report.json"
+    call_command(
+        "bench",
+        "--in-place",
+        "--only",
+        "overhead,pages",
+        "--steps",
+        "3",
+        "--overhead-runs",
+        "3",
+        "--page-runs",
+        "40",
+        "--page-steps",
+        "4",
+        "--page-repeat",
+        "3",
+        "--output",
+        str(output),
+        stdout=io.StringIO(),
+        stderr=io.StringIO(),
+    )
+    report = json.loads(output.read_text())
+    assert report["meta"]["postgresql"] and report["meta"]["sections"] == ["overhead", "pages"]
+
+    overhead = {row["agent"]: row for row in report["results"]["overhead"]}
+    assert set(overhead) == {agents.READ_AGENT, agents.IDEMPOTENT_AGENT}
+    for row in overhead.values():
+        # every run really went through the engine to the end
+        assert row["succeeded"] == 3
+        assert row["step_ms_p50"] > 0 and row["step_ms_p95"] >= row["step_ms_p50"]
+        assert row["queries_per_step"] > 0
+    counts = {row["agent"]: row for row in report["results"]["per_step_counts"]}
+    # the design's boundaries: decided+dispatching, then receipt+step_completed
+    assert counts[agents.READ_AGENT]["commits_per_step"] == 2
+    assert counts[agents.IDEMPOTENT_AGENT]["commits_per_step"] <= 3
+
+    pages = report["results"]["pages"]
+    assert pages["runs_in_table"] >= 40 and pages["big_run_steps"] == 4
+    for label in ("runs list", "run detail (1 run of N steps)", "GET /api/v1/runs/"):
+        figures = pages["pages"][label]
+        assert "error" not in figures, figures
+        assert figures["queries"] > 0 and figures["ms_p95"] >= figures["ms_p50"] > 0
+        # the pages' query counts do not grow with the number of rows
+        assert figures["queries_constant"] is True, figures
+
+    targets = {check["target"] for check in report["targets"]}
+    assert "engine overhead p50 <= 2 ms per step" in targets
+    assert "page query counts constant in rows" in targets
+    # the bench's agents never stay in the app's registry
+    assert agents.READ_AGENT not in {agent.name for agent in registry.agents()}
+
+
+@needs_postgres
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_quick_worker_sections_measure_real_workers(tmp_path, roles):
+    output = tmp_path / "report.json"
+    call_command(
+        "bench",
+        "--in-place",
+        "--only",
+        "throughput,approval",
+        "--runs",
+        "3",
+        "--steps",
+        "2",
+        "--approvals",
+        "2",
+        "--limit-seconds",
+        "0.2",
+        "--output",
+        str(output),
+        stdout=io.StringIO(),
+        stderr=io.StringIO(),
+    )
+    report = json.loads(output.read_text())
+    rows = report["results"]["throughput"]
+    assert {(row["agent"], row["workers"]) for row in rows} == {
+        (agents.READ_AGENT, 1),
+        (agents.IDEMPOTENT_AGENT, 1),
+        (agents.READ_AGENT, 2),
+        (agents.IDEMPOTENT_AGENT, 2),
+    }
+    for row in rows:
+        assert row["succeeded"] == 3, row
+        assert row["steps_per_s"] > 0 and row["insert_commit_per_s"] > 0
+        assert row["commits_per_step"] > 0 and row["worker_cpu_ms_per_step"] > 0
+    approval = report["results"]["approval"]
+    assert approval["dispatched"] == 2 and approval["ms_p50"] > 0
+    verdicts = {check["target"]: check["holds"] for check in report["targets"]}
+    assert "approval -> dispatch p50 <= 300 ms" in verdicts
+    assert connection.vendor == "postgresql"

@@ -1,0 +1,450 @@
+"""LLM-backed agents (runs/llm.py) against a real fake OpenAI-compatible HTTP server: a whole
+run, tokens and cost in the budgets, the pinned model, retries, postponement, condensed
+history, and a worker killed right after a decision that resumes without asking the model
+again."""
+
+from __future__ import annotations
+
+import json
+from decimal import Decimal
+
+import pytest
+from django.conf import settings
+from django.db import transaction
+
+from agentops.demo.llm_agents import LLMRefundAgent
+from runs import faults
+from runs.llm import LLMConfig, ModelCallInTransaction, tool_schema
+from runs.models import Run, Step, ToolCall
+from runs.registry import DecisionContext, registry
+from runs.services import run_create
+from tests.conftest import drive
+from tests.runs.workerprocs import wait_for, worker_env
+from tests.support import WorkerKilled, event_types, events, refund_posts, refunds, rewind
+from tests.support_llm import FakeOpenAI, error, refund_script, text, tool_call
+
+INPUT = {"order_id": "ord_1002", "amount_cents": 700, "reason": "damaged"}
+
+
+@pytest.fixture
+def fake_llm(monkeypatch):
+    servers: list[FakeOpenAI] = []
+
+    def start(script=refund_script, **overrides):
+        server = FakeOpenAI(script).start()
+        servers.append(server)
+        conf = {
+            **settings.AGENTOPS_LLM,
+            "BASE_URL": server.base_url,
+            "API_KEY": "sk-test-key",
+            "MODEL": "fake-model-2026",
+            "BACKOFF": 0.01,
+            "MAX_BACKOFF": 0.05,
+            "INPUT_PRICE": Decimal("2.50"),
+            "OUTPUT_PRICE": Decimal("10"),
+            **overrides,
+        }
+        monkeypatch.setattr(settings, "AGENTOPS_LLM", conf)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()
+
+
+@pytest.fixture
+def llm_refund(register):
+    return register(LLMRefundAgent())
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_an_llm_agent_completes_a_refund_through_the_model(fake_llm, sandbox, system_actor):
+    server = fake_llm()
+    run = run_create(agent_name="llm_refund", input=INPUT, actor=system_actor, max_tokens=10_000)
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED, run.reason_detail
+    assert run.result["answer"].startswith("Refunded 700 cents: ")
+    assert len(refunds(sandbox)) == 1
+    assert server.request_count == 3
+    # the model pinned at creation is the one asked, with the key, the tools and no more
+    first = server.requests[0]
+    assert run.model_id == "fake-model-2026"
+    assert {r["model"] for r in server.requests} == {"fake-model-2026"}
+    assert server.headers[0]["authorization"] == "Bearer sk-test-key"
+    names = [t["function"]["name"] for t in first["tools"]]
+    assert names == ["lookup_order", "refund_payment", "fail_run", "ask_person"]
+    lookup = registry.tool("lookup_order")
+    assert first["tools"][0]["function"]["parameters"] == lookup.schema
+    assert first["parallel_tool_calls"] is False
+    # the second decision saw the lookup's real outcome and the authoritative state last
+    second = server.requests[1]["messages"]
+    assert second[-2]["role"] == "tool"
+    assert json.loads(second[-2]["content"])["call_status"] == "succeeded"
+    assert second[-1]["content"].startswith("Authoritative state of this run")
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_tokens_and_cost_of_each_decision_are_recorded_on_its_step_and_the_run(
+    fake_llm, sandbox, system_actor
+):
+    fake_llm()
+    run = run_create(agent_name="llm_refund", input=INPUT, actor=system_actor)
+
+    run = drive(run.id)
+
+    steps = list(Step.objects.filter(run=run).order_by("seq"))
+    assert [(s.kind, s.tokens) for s in steps] == [
+        ("tool_call", 120),
+        ("tool_call", 340),
+        ("finish", 120),
+    ]
+    # 2.50 per million prompt tokens, 10 per million completion tokens
+    assert steps[1].cost == Decimal("0.001150")
+    assert run.tokens_used == 580
+    assert run.cost_used == sum(s.cost for s in steps)
+    decided = events(run.id, "step.decided")
+    assert decided[1].payload["usage"]["prompt_tokens"] == 300
+    assert decided[1].payload["usage"]["model"] == "fake-model-2026"
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_a_token_budget_stops_the_run_before_the_model_is_asked_again(
+    fake_llm, sandbox, system_actor
+):
+    server = fake_llm()
+    run = run_create(agent_name="llm_refund", input=INPUT, actor=system_actor, max_tokens=400)
+
+    run = drive(run.id)
+
+    # 120 + 340 tokens used: over the budget before the third decision
+    assert run.status == Run.Status.NEEDS_ATTENTION
+    assert run.reason_code == Run.Reason.BUDGET_EXHAUSTED
+    assert server.request_count == 2
+    # and the model was never offered more completion tokens than the budget had left
+    assert server.requests[1]["max_tokens"] == 400 - 120
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_the_pinned_model_survives_a_settings_change(fake_llm, sandbox, system_actor):
+    server = fake_llm()
+    run = run_create(agent_name="llm_refund", input=INPUT, actor=system_actor)
+    settings.AGENTOPS_LLM["MODEL"] = "a-newer-model"
+
+    drive(run.id)
+
+    assert Run.objects.get(id=run.id).model_id == "fake-model-2026"
+    assert {r["model"] for r in server.requests} == {"fake-model-2026"}
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_a_run_without_a_pinned_model_is_pinned_once_with_an_event(fake_llm, sandbox, system_actor):
+    fake_llm()
+    run = run_create(agent_name="llm_refund", input=INPUT, actor=system_actor)
+    Run.objects.filter(id=run.id).update(model_id="")  # as if created before it used a model
+
+    drive(run.id)
+
+    assert Run.objects.get(id=run.id).model_id == "fake-model-2026"
+    assert [e.payload["model"] for e in events(run.id, "run.model_pinned")] == ["fake-model-2026"]
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_429_and_503_are_retried_and_the_decision_then_succeeds(fake_llm, sandbox, system_actor):
+    def flaky(request, index):
+        if index == 0:
+            return error(429, "slow down", retry_after="0")
+        if index == 1:
+            return error(503, "overloaded")
+        return refund_script(request, index)
+
+    server = fake_llm(flaky)
+    run = run_create(agent_name="llm_refund", input=INPUT, actor=system_actor)
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED, run.reason_detail
+    assert server.request_count == 5  # two refusals, then three decisions
+    assert len(refunds(sandbox)) == 1
+    # the retries are part of the first decision's record
+    assert events(run.id, "step.decided")[0].payload["usage"]["requests"] == 3
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_a_model_api_that_stays_down_postpones_the_run_instead_of_failing_it(
+    fake_llm, sandbox, system_actor
+):
+    server = fake_llm(lambda request, index: error(500), MAX_RETRIES=2, POSTPONE=120)
+    run = run_create(agent_name="llm_refund", input=INPUT, actor=system_actor)
+
+    run = drive(run.id)
+
+    assert server.request_count == 3  # the first attempt and two retries
+    assert run.status == Run.Status.QUEUED
+    assert run.wake_at is not None
+    assert Step.objects.filter(run=run).count() == 0
+    postponed = events(run.id, "agent.postponed")
+    assert len(postponed) == 1 and "HTTP 500" in postponed[0].payload["detail"]
+
+    # the API comes back; once the wake-up time has passed the run simply carries on
+    server.script = refund_script
+    rewind(run.id)
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED, run.reason_detail
+    assert len(refunds(sandbox)) == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_a_cost_budget_counts_the_models_price(fake_llm, sandbox, system_actor):
+    server = fake_llm()
+    # 0.00045 for the first decision, 0.00115 for the second: over 0.001 after two
+    run = run_create(
+        agent_name="llm_refund", input=INPUT, actor=system_actor, max_cost=Decimal("0.001")
+    )
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.NEEDS_ATTENTION
+    assert run.reason_code == Run.Reason.BUDGET_EXHAUSTED
+    assert "cost budget exhausted" in run.reason_detail
+    assert run.cost_used == Decimal("0.001600")
+    assert server.request_count == 2
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_a_request_the_api_rejects_fails_the_run_with_its_reason(fake_llm, sandbox, system_actor):
+    server = fake_llm(lambda request, index: error(400, "context length exceeded"))
+    run = run_create(agent_name="llm_refund", input=INPUT, actor=system_actor)
+
+    run = drive(run.id)
+
+    assert server.request_count == 1  # asking again would get the same answer
+    assert run.status == Run.Status.FAILED
+    assert run.reason_code == Run.Reason.AGENT_FAILED
+    assert "context length exceeded" in run.reason_detail
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_unparseable_arguments_get_one_correction(fake_llm, sandbox, system_actor):
+    def sloppy(request, index):
+        if index == 0:
+            reply = tool_call("lookup_order", {})
+            reply.body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] = "{oops"
+            return reply
+        return refund_script(request, index)
+
+    server = fake_llm(sloppy)
+    run = run_create(agent_name="llm_refund", input=INPUT, actor=system_actor)
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    correction = server.requests[1]["messages"][-1]
+    assert correction["role"] == "tool" and "not valid JSON" in correction["content"]
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_a_call_to_a_tool_the_agent_may_not_use_is_refused_and_shown_to_the_model(
+    fake_llm, sandbox, system_actor
+):
+    def wrong_tool(request, index):
+        if index == 0:
+            return tool_call("send_notification", {"to": "x@example.com"})
+        if index == 1:
+            return text("I may not send notifications.")
+        raise AssertionError("asked too often")
+
+    server = fake_llm(wrong_tool)
+    run = run_create(agent_name="llm_refund", input=INPUT, actor=system_actor)
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    refused = json.loads(server.requests[1]["messages"][-2]["content"])
+    assert refused["step_status"] == "failed"
+    assert "may not use tool" in refused["error"]
+    assert ToolCall.objects.filter(run=run).count() == 0  # nothing was dispatched
+
+
+@pytest.mark.django_db
+def test_long_histories_are_condensed_but_the_state_is_always_sent_whole(fake_llm):
+    from runs.llm import CallRecord
+    from runs.registry import StepView
+
+    fake_llm(HISTORY_STEPS=3)
+    agent = LLMRefundAgent()
+    steps = tuple(
+        StepView(
+            seq=n,
+            kind="tool_call",
+            status="completed",
+            input={"tool": "lookup_order", "arguments": {"order_id": f"ord_{n}"}},
+            output={"n": n},
+            error="",
+        )
+        for n in range(1, 9)
+    )
+    records = {
+        n: CallRecord(status="succeeded", receipt_source="tool", attempts=1) for n in range(1, 9)
+    }
+    ctx = DecisionContext(run_id="r", goal="g", input={}, state={"big": "x" * 5000}, steps=steps)
+
+    messages = agent.messages(ctx, records, history_steps=3)
+
+    condensed = [m for m in messages if "condensed" in (m.get("content") or "")]
+    assert len(condensed) == 1
+    assert "step 1: lookup_order" in condensed[0]["content"]
+    assert "step 5: lookup_order" in condensed[0]["content"]
+    verbatim = [m["tool_call_id"] for m in messages if m["role"] == "tool"]
+    assert verbatim == ["step_6", "step_7", "step_8"]
+    assert "x" * 5000 in messages[-1]["content"]  # the authoritative state, whole
+
+
+def test_a_registered_tool_becomes_a_function_schema():
+    schema = tool_schema(registry.tool("refund_payment"))
+
+    assert schema["function"]["name"] == "refund_payment"
+    assert schema["function"]["parameters"] == registry.tool("refund_payment").schema
+    assert "approval" in schema["function"]["description"]
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_model_is_never_called_inside_a_transaction(fake_llm):
+    from runs.llm import ChatClient
+
+    server = fake_llm()
+    client = ChatClient(LLMConfig.from_settings())
+
+    with pytest.raises(ModelCallInTransaction), transaction.atomic():
+        client.complete({"model": "m", "messages": []})
+    assert server.request_count == 0
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("llm_refund")
+def test_a_crash_right_after_the_decision_resumes_without_asking_the_model_again(
+    fake_llm, sandbox, system_actor, monkeypatch
+):
+    """In-process: the worker 'dies' right after the commit of the second decision (the
+    refund), before the refund is called; the next incarnation carries on from the record."""
+    server = fake_llm()
+    run = run_create(agent_name="llm_refund", input=INPUT, actor=system_actor)
+    real_crash_point = faults.crash_point
+    decided = []
+
+    def crash_after_second_decision(boundary):
+        if boundary == "decided":
+            decided.append(1)
+            if len(decided) == 2:
+                raise WorkerKilled
+        real_crash_point(boundary)
+
+    monkeypatch.setattr(faults, "crash_point", crash_after_second_decision)
+    with pytest.raises(WorkerKilled):
+        drive(run.id, worker="doomed")
+    assert server.request_count == 2
+    assert refund_posts(sandbox) == []
+    monkeypatch.setattr(faults, "crash_point", real_crash_point)
+    Run.objects.filter(id=run.id).update(lease_expires_at=None)  # its holder is dead
+
+    run = drive(run.id, worker="successor")
+    if run.wake_at is not None:
+        # the refund was in flight when it died: reconciliation found it absent and waits
+        # until the original request could no longer land before sending it again
+        rewind(run.id)
+        run = drive(run.id, worker="successor")
+
+    assert run.status == Run.Status.SUCCEEDED, run.reason_detail
+    assert server.request_count == 3  # the third decision only: the refund was not re-asked
+    assert len(refunds(sandbox)) == 1
+    assert "run.claimed" in event_types(run.id)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("roles")
+def test_a_killed_worker_process_resumes_the_llm_run_without_asking_the_model_again(
+    fake_llm, worker_procs, sandbox, system_actor
+):
+    """Real runworker processes: the demo registers its LLM agent because the model API is
+    configured, the first worker SIGKILLs its process group right after the refund's
+    decision commits, and a fresh worker finishes the run with one refund."""
+    server = fake_llm()
+    llm_env = {
+        "AGENTOPS_LLM_BASE_URL": server.base_url,
+        "AGENTOPS_LLM_API_KEY": "sk-test-key",
+        "AGENTOPS_LLM_MODEL": "fake-model-2026",
+    }
+    registry.register_agent(LLMRefundAgent())  # here too, so run_create accepts it
+    try:
+        run = run_create(agent_name="llm_refund", input=INPUT, actor=system_actor)
+    finally:
+        registry.unregister_agent("llm_refund")
+
+    crashing = worker_procs.start(
+        "llm-crash", worker_env(sandbox, AGENTOPS_CRASH_AT="decided:2", **llm_env)
+    )
+    assert crashing.wait_exit(30) == -9, crashing.output()
+    assert server.request_count == 2
+
+    successor = worker_procs.start("llm-crash", worker_env(sandbox, **llm_env))
+    wait_for(
+        lambda: Run.objects.get(id=run.id).status == Run.Status.SUCCEEDED,
+        30,
+        what="the run to succeed",
+    )
+    successor.kill_group()
+
+    assert server.request_count == 3
+    assert len(refunds(sandbox)) == 1
+    claims = events(run.id, "run.claimed")
+    assert any(c.payload["recovered"] for c in claims)
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund", "roles")
+def test_the_model_can_ask_a_person_and_sees_the_answer(fake_llm, sandbox, system_actor, operator):
+    from runs.actors import Actor
+    from runs.models import Question
+    from runs.waits import question_answer
+
+    def ask_first(request, index):
+        if index == 0:
+            return tool_call(
+                "ask_person", {"question": "Refund in full?", "choices": ["yes", "no"]}
+            )
+        answer = json.loads(request["messages"][-2]["content"])
+        return fail_or_finish(answer)
+
+    def fail_or_finish(answer):
+        if answer["result"] == "no":
+            return tool_call("fail_run", {"reason": "the operator said no"})
+        return text("ok")
+
+    server = fake_llm(ask_first)
+    run = run_create(agent_name="llm_refund", input=INPUT, actor=system_actor)
+
+    run = drive(run.id)
+    assert run.status == Run.Status.WAITING_EVENT  # no worker is held while a person thinks
+    question = Question.objects.get(run=run)
+    assert (question.text, question.choices) == ("Refund in full?", ["yes", "no"])
+
+    question_answer(question_id=question.id, answer="no", actor=Actor.for_user(operator, "web"))
+    run = drive(run.id)
+
+    assert server.request_count == 2
+    assert run.status == Run.Status.FAILED
+    assert run.reason_detail == "the operator said no"
