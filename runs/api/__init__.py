@@ -134,6 +134,39 @@ class RunBudgetOutputSerializer(serializers.Serializer):
     deadline = serializers.DateTimeField(allow_null=True)
 
 
+class OpenWaitSerializer(serializers.Serializer):
+    """A wait the run is in now (docs/waits.md): what ends it, and when it times out."""
+
+    step = serializers.IntegerField(source="seq")
+    kind = serializers.CharField(help_text="signal, timer or question")
+    signal = serializers.CharField(allow_null=True, help_text="The signal's name (signal waits).")
+    deadline = serializers.DateTimeField(
+        allow_null=True, help_text="When it times out (a timer: when it fires); null: never."
+    )
+    question = serializers.IntegerField(
+        allow_null=True, help_text="The question's id (question waits)."
+    )
+    text = serializers.CharField(allow_null=True, help_text="The question's text.")
+    choices = serializers.ListField(child=serializers.CharField(), allow_null=True)
+    started_at = serializers.DateTimeField(source="created_at")
+
+    def to_representation(self, step):
+        # built here rather than by the fields: each one depends on the kind of wait
+        spec = step.input or {}
+        kind = spec.get("wait", "")
+        question = getattr(step, "question", None) if kind == "question" else None
+        return dict(
+            step=step.seq,
+            started_at=serializers.DateTimeField().to_representation(step.created_at),
+            kind=kind,
+            signal=spec.get("name") if kind == "signal" else None,
+            deadline=spec.get("deadline"),
+            question=question.id if question is not None else None,
+            text=spec.get("text") if kind == "question" else None,
+            choices=spec.get("choices") if kind == "question" else None,
+        )
+
+
 class RunSerializer(serializers.ModelSerializer):
     agent = serializers.CharField(source="agent_name")
     reason_code = serializers.CharField(help_text=REASON_HELP)
@@ -141,6 +174,10 @@ class RunSerializer(serializers.ModelSerializer):
         help_text="Empty, or pause/terminate asked of the process holding the lease."
     )
     principal = serializers.SerializerMethodField()
+    open_waits = serializers.SerializerMethodField(
+        help_text="The waits the run is in now (a signal, a timer or a question); empty "
+        "unless its status is waiting_event."
+    )
     budget = RunBudgetOutputSerializer(source="*")
     usage = RunUsageSerializer(source="*")
     root_run = serializers.UUIDField(source="root_run_id", allow_null=True)
@@ -165,6 +202,7 @@ class RunSerializer(serializers.ModelSerializer):
             "budget",
             "usage",
             "recovery_count",
+            "open_waits",
             "requested_action",
             "requested_by",
             "trace_id",
@@ -178,6 +216,12 @@ class RunSerializer(serializers.ModelSerializer):
 
     def get_principal(self, run: Run) -> str | None:
         return run.principal.get_username() if run.principal_id else None
+
+    @extend_schema_field(OpenWaitSerializer(many=True))
+    def get_open_waits(self, run: Run) -> list:
+        if run.status != Run.Status.WAITING_EVENT:
+            return []
+        return OpenWaitSerializer(selectors.open_waits(run_id=run.id), many=True).data
 
 
 class RunEventSerializer(serializers.ModelSerializer):

@@ -93,3 +93,40 @@ def test_signal_to_a_missing_run(as_operator):
         "/api/v1/runs/00000000-0000-0000-0000-000000000000/signals/", {"name": "go"}
     )
     assert_error(response, 404, "not_found")
+
+
+def test_the_run_shows_its_open_wait_until_the_signal_ends_it(as_operator, waiting):
+    (wait,) = as_operator.get(f"/api/v1/runs/{waiting.id}/").json()["open_waits"]
+    assert (wait["kind"], wait["signal"], wait["deadline"], wait["question"]) == (
+        "signal",
+        "go",
+        None,
+        None,
+    )
+
+    as_operator.post(_url(waiting), {"name": "go"})
+    assert as_operator.get(f"/api/v1/runs/{waiting.id}/").json()["open_waits"] == []
+
+
+def test_an_open_question_is_shown_with_its_id_and_deadline(as_operator, register, operator):
+    from runs.models import Question
+    from runs.registry import AskQuestion
+    from runs.services import run_create
+
+    register(
+        ScriptedAgent(
+            "api_asker",
+            lambda ctx: Finish({}) if ctx.steps else AskQuestion("Ship it?", choices=("yes", "no")),
+        )
+    )
+    run = drive(run_create(agent_name="api_asker", actor=Actor.for_user(operator, "api")).id)
+
+    (wait,) = as_operator.get(f"/api/v1/runs/{run.id}/").json()["open_waits"]
+    question = Question.objects.get(run=run)
+    assert (wait["kind"], wait["question"], wait["text"], wait["choices"]) == (
+        "question",
+        question.id,
+        "Ship it?",
+        ["yes", "no"],
+    )
+    assert wait["deadline"] is not None and wait["signal"] is None
