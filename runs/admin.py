@@ -355,6 +355,8 @@ EVENT_TYPES = sorted(
         "tool.reconcile_attempted",
         "tool.resolved",
         "run.migrated",
+        "run.model_changed",
+        "run.model_pinned",
         "run.forked",
         "run.paused",
         "run.pause_requested",

@@ -301,6 +301,7 @@ def _drive_slice(lease: Lease) -> str:
     # DESIGN §5: everything below is checked on every claim, before anything new is decided
     if not _migrate_agent_version(lease):
         return "parked"
+    _apply_model_policy(lease)
     # counted since an operator last retried a dead-lettered run (run_retry_recovery)
     recoveries = lease.run.recovery_count - lease.run.recovery_count_at_retry
     if lease.recovered and recoveries > _conf("MAX_RECOVERIES"):
@@ -371,6 +372,24 @@ def _migrate_agent_version(lease: Lease) -> bool:
     run.state = state
     run.state_version += 1
     return True
+
+
+def _apply_model_policy(lease: Lease) -> None:
+    """The agent's configured model changed since the run was pinned: an agent with
+    ``model_policy = "follow"`` moves the run to it (``run.model_changed``); "pin" (the
+    default) keeps the run on its model and records nothing — the pin is the run's own
+    state, and every step.decided names the model it asked. A run not pinned yet is pinned
+    at its first decision (runs/llm.py)."""
+    run, agent = lease.run, lease.agent
+    if getattr(agent, "model_policy", "pin") != "follow" or not run.model_id:
+        return
+    configured = agent.model_for_new_run()
+    if not configured or configured == run.model_id:
+        return
+    with lease.checkpoint() as cp:
+        cp.event("run.model_changed", **{"from": run.model_id, "to": configured})
+        cp.update(model_id=configured)
+    run.model_id = configured
 
 
 def _principal_refusal(lease: Lease, tool: Tool | None) -> str:
@@ -480,6 +499,9 @@ def _record_decision_usage(cp: Checkpoint, lease: Lease, usage: Usage) -> None:
                     {"tokens": usage.tokens, "cost": usage.cost, **usage.detail}, default=str
                 )
             )
+            if usage.answers:
+                # what the model said, for manage.py replay (masked by the agent)
+                event.payload["answers"] = json.loads(json.dumps(usage.answers, default=str))
     lease.run.tokens_used += usage.tokens
     lease.run.cost_used += usage.cost
     lease.decision_usage = None

@@ -12,8 +12,12 @@ Durability comes from the engine, not from here: a decision is persisted as a st
 answered resumes from that step and never asks the model again for it. The model is only
 ever called outside any transaction (checked), with the lease renewed meanwhile; tokens and
 cost of each decision are recorded on its step and added to the run's persisted usage in
-that same commit (``runs.registry.Decision``). A run's model is pinned when it is created
-(``Run.model_id``) and never changed afterwards.
+that same commit (``runs.registry.Decision``), together with the model's answers
+(``step.decided`` payload ``answers``, sensitive tool arguments masked) so ``manage.py
+replay`` can check today's code against them without asking the model again. A run's model is
+pinned when it is created (``Run.model_id``); when the agent's configured model changes later,
+the agent's ``model_policy`` decides: ``"pin"`` keeps the run on its model, ``"follow"`` moves
+it at its next claim (``run.model_changed``, runs/engine.py).
 
 Retries: 429, 5xx, timeouts and connection errors are retried with exponential backoff and
 jitter (a ``Retry-After`` header is honoured); when they run out, or the API refuses the
@@ -52,7 +56,9 @@ from runs.registry import (
     Finish,
     StepView,
     Tool,
+    UnknownTool,
     Usage,
+    mask,
     registry,
 )
 
@@ -62,6 +68,11 @@ log = logging.getLogger(__name__)
 FAIL_FUNCTION = "fail_run"
 ASK_FUNCTION = "ask_person"
 BUILTIN_FUNCTIONS = (FAIL_FUNCTION, ASK_FUNCTION)
+
+# what an LLM agent does when its configured model changes under a running run
+MODEL_POLICIES = ("pin", "follow")
+# the Fail reason when the model's answer is unusable twice in a row (decide and replay agree)
+UNUSABLE_TWICE = "the model's answer could not be used twice in a row: {problem}"
 
 RETRYABLE_STATUS = {408, 409, 425, 429, 500, 502, 503, 504}
 # the API refuses the key: a configuration problem an operator fixes, not the run's fault
@@ -420,6 +431,18 @@ class LLMAgent(Agent):
     question_ttl_seconds: float = 24 * 3600
     # the engine renews the lease while decide() runs (a model call takes seconds)
     slow_decide = True
+    # "pin": a run keeps the model it started with; "follow": a run moves to the agent's
+    # configured model at its next claim, recorded as run.model_changed (runs/engine.py)
+    model_policy: str = "pin"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        # a typo here would silently mean "pin": refuse it when the class is defined
+        if cls.model_policy not in MODEL_POLICIES:
+            raise TypeError(
+                f"{cls.__name__}.model_policy must be one of {MODEL_POLICIES}, "
+                f"not {cls.model_policy!r}"
+            )
 
     def __init__(self, *, client_factory: Callable[[LLMConfig], ChatClient] | None = None):
         self._client_factory = client_factory or ChatClient
@@ -526,7 +549,21 @@ class LLMAgent(Agent):
         if run["max_tokens"] is not None:
             # never ask for more than the token budget still allows
             max_output = max(1, min(max_output, run["max_tokens"] - run["tokens_used"]))
-        records = call_records(ctx.run_id)
+        return self.ask(
+            ctx, call_records(ctx.run_id), config=config, model=model, max_output=max_output
+        )
+
+    def ask(
+        self,
+        ctx: DecisionContext,
+        records: Mapping[int, CallRecord],
+        *,
+        config: LLMConfig,
+        model: str,
+        max_output: int,
+    ) -> Decision:
+        """Ask ``model`` for the decision ``ctx`` calls for; writes nothing (``decide`` pins
+        the model first; ``manage.py replay --live-model`` calls this directly)."""
         messages = self.messages(ctx, records, config.history_steps)
         body: dict[str, Any] = {
             "model": model,
@@ -549,7 +586,7 @@ class LLMAgent(Agent):
             completions.append(client.complete(body))
             action, problem = self._action(completions[-1].message)
             if problem:
-                action = Fail(f"the model's answer could not be used twice in a row: {problem}")
+                action = Fail(UNUSABLE_TWICE.format(problem=problem))
         prompt = sum(c.prompt_tokens for c in completions)
         completion = sum(c.completion_tokens for c in completions)
         usage = Usage(
@@ -562,8 +599,71 @@ class LLMAgent(Agent):
                 "requests": sum(c.attempts for c in completions),
                 "response_ids": [c.response_id for c in completions if c.response_id],
             },
+            answers=tuple(self.recordable_answer(c.message) for c in completions),
         )
         return Decision(action=action, usage=usage)
+
+    def recordable_answer(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        """The part of a model message that decides the action, as it may be recorded.
+
+        The event record is append-only and hash-chained: a secret written there can never
+        be removed. So the arguments of a call to a tool with ``sensitive_fields`` are masked
+        the way every other event masks them. The trade-off: replaying a recorded answer
+        sees ``***`` for those fields, so replay compares them masked and cannot tell
+        whether today's code would pass a different value there (``--live-model`` can).
+        Unparseable arguments of such a tool are withheld (they cannot be masked); they
+        stay unparseable, so replay still sees the same problem."""
+        answer: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+        calls = []
+        for call in message.get("tool_calls") or []:
+            if not isinstance(call, Mapping):
+                continue
+            function = call.get("function") or {}
+            name = str(function.get("name") or "")
+            raw = function.get("arguments") or "{}"
+            sensitive = self._sensitive_fields(name)
+            if sensitive:
+                try:
+                    parsed = json.loads(raw) if isinstance(raw, str) else raw
+                except ValueError:
+                    parsed = None
+                if isinstance(parsed, dict):
+                    raw = json.dumps(mask(parsed, sensitive))
+                elif isinstance(raw, str):
+                    raw = f"<withheld: {len(raw)} characters of unparseable arguments>"
+                else:
+                    raw = "<withheld: arguments that are not a JSON object>"
+            calls.append(
+                {
+                    "id": str(call.get("id") or ""),
+                    "type": "function",
+                    "function": {"name": name, "arguments": raw},
+                }
+            )
+        if calls:
+            answer["tool_calls"] = calls
+        return answer
+
+    @staticmethod
+    def _sensitive_fields(tool_name: str) -> tuple[str, ...]:
+        try:
+            return tuple(registry.tool(tool_name).sensitive_fields)
+        except UnknownTool:
+            return ()
+
+    def action_from_answers(self, answers: Sequence[Mapping[str, Any]]) -> Action | None:
+        """What today's code makes of recorded answers, exactly as ``ask`` would have: the
+        first usable one, one correction at most. None when today's code would have needed
+        an answer that was never recorded (it rejects one the recorded run accepted)."""
+        if not answers:
+            return None
+        action, problem = self._action(answers[0])
+        if not problem:
+            return action
+        if len(answers) < 2:
+            return None
+        action, problem = self._action(answers[1])
+        return Fail(UNUSABLE_TWICE.format(problem=problem)) if problem else action
 
     def _pin_model(self, run_id: str, model: str) -> str:
         """A run created before its agent used a model (or by code that did not pin one):

@@ -219,6 +219,9 @@ class Usage:
     tokens: int = 0
     cost: Decimal = Decimal(0)
     detail: Mapping[str, Any] = field(default_factory=dict)
+    # the model's answers that led to the action (an LLM agent's, masked; runs/llm.py):
+    # recorded as ``answers`` in step.decided so ``manage.py replay`` can reuse them
+    answers: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ _RELEASING = frozenset(
 _BOUNDARY = {
     "run.claimed": "claimed",
     "run.migrated": "claimed",
+    "run.model_changed": "claimed",
     "step.decided": "decided",
     "approval.requested": "approval_requested",
     "approval.consumed": "dispatching",
@@ -165,6 +166,10 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
             return f"released the lease ({p.get('status')}{wake})"
         case "run.migrated":
             return f"state migrated from v{p.get('from')} to v{p.get('to')}"
+        case "run.model_changed":
+            return f"model changed from {p.get('from')} to {p.get('to')} (agent follows its model)"
+        case "run.model_pinned":
+            return f"model pinned: {p.get('model')}"
         case "step.decided":
             kind = p.get("kind", "")
             what = f" → {p['tool']}" if p.get("tool") else ""
@@ -253,6 +258,8 @@ def _note(event_type: str, p: Mapping[str, Any]) -> str:
             return f"{_call(p)} outcome unknown"
         case "run.migrated":
             return f"migrated v{p.get('from')} → v{p.get('to')}"
+        case "run.model_changed":
+            return f"model {p.get('from')} → {p.get('to')}"
         case "tool.dispatching" if (p.get("attempt") or 0) > 1:
             return f"dispatched {_call(p)} again (attempt {p.get('attempt')})"
     return ""

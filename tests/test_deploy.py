@@ -275,6 +275,8 @@ def test_procfile_runs_gunicorn_with_the_deploy_config_and_a_worker():
 
     assert processes["web"].split()[:3] == ["gunicorn", "-c", "deploy/gunicorn.conf.py"]
     assert "manage.py runworker" in processes["worker"]
+    # no worker, no sweeper: something else must notice that no worker is alive
+    assert "manage.py check_alerts --every" in processes["alerts"]
 
 
 @pytest.mark.parametrize("unit", ["agentops-worker.service", "agentops-worker@.service"])

@@ -5,19 +5,23 @@ again."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from decimal import Decimal
+from io import StringIO
 
 import pytest
 from django.conf import settings
+from django.core.management import CommandError, call_command
 from django.db import transaction
 
 from agentops.demo.llm_agents import LLMRefundAgent
 from runs import faults
-from runs.llm import LLMConfig, ModelCallInTransaction, tool_schema
+from runs.llm import LLMAgent, LLMConfig, ModelCallInTransaction, tool_schema
 from runs.models import Run, Step, ToolCall
-from runs.registry import DecisionContext, registry
+from runs.registry import CallTool, Decision, DecisionContext, registry
 from runs.services import run_create
+from runs.timeline import describe
 from tests.conftest import drive
 from tests.runs.workerprocs import wait_for, worker_env
 from tests.support import WorkerKilled, event_types, events, refund_posts, refunds, rewind
@@ -448,3 +452,329 @@ def test_the_model_can_ask_a_person_and_sees_the_answer(fake_llm, sandbox, syste
     assert server.request_count == 2
     assert run.status == Run.Status.FAILED
     assert run.reason_detail == "the operator said no"
+
+
+# --- the model's answers on the record, replay, and the model policy ----------------------------
+
+
+def _replay(run_id, *flags: str) -> tuple[int, str]:
+    out = StringIO()
+    try:
+        call_command("replay", str(run_id), *flags, stdout=out)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    return code, out.getvalue()
+
+
+def _replace_agent(agent: LLMAgent) -> None:
+    """Deploy changed code under the registered name (the fixture unregisters it after)."""
+    registry.unregister_agent(agent.name)
+    registry.register_agent(agent)
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_each_decision_records_the_models_answer_with_sensitive_arguments_masked(
+    fake_llm, sandbox, system_actor
+):
+    fake_llm()
+    run = drive(run_create(agent_name="llm_refund", input=INPUT, actor=system_actor).id)
+
+    answers = [e.payload["answers"] for e in events(run.id, "step.decided")]
+    assert [len(a) for a in answers] == [1, 1, 1]
+    lookup, refund, final = (a[0] for a in answers)
+    assert lookup["tool_calls"][0]["function"]["name"] == "lookup_order"
+    assert json.loads(lookup["tool_calls"][0]["function"]["arguments"]) == {"order_id": "ord_1002"}
+    # refund_payment's customer_email is sensitive: the append-only record never holds it
+    arguments = json.loads(refund["tool_calls"][0]["function"]["arguments"])
+    assert arguments["customer_email"] == "***"
+    assert arguments["amount_cents"] == 700
+    assert "bob@example.com" not in json.dumps(refund)
+    assert final["content"].startswith("Refunded 700 cents")
+    # while the call itself was made with the real value
+    refund_call = ToolCall.objects.get(run=run, tool_name="refund_payment")
+    assert refund_call.arguments["customer_email"] == "bob@example.com"
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_a_corrected_decision_records_both_answers_and_replays_the_same(
+    fake_llm, sandbox, system_actor
+):
+    def sloppy(request, index):
+        if index == 0:
+            reply = tool_call("lookup_order", {})
+            reply.body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] = "{oops"
+            return reply
+        return refund_script(request, index)
+
+    server = fake_llm(sloppy)
+    run = drive(run_create(agent_name="llm_refund", input=INPUT, actor=system_actor).id)
+    first = events(run.id, "step.decided")[0].payload["answers"]
+    assert [a["tool_calls"][0]["function"]["arguments"] for a in first][0] == "{oops"
+    asked = server.request_count
+
+    code, output = _replay(run.id)
+
+    assert (code, server.request_count) == (0, asked), output
+    assert "step 1: same: call lookup_order" in output
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_replay_reuses_the_recorded_answers_and_asks_the_model_nothing(
+    fake_llm, sandbox, system_actor
+):
+    server = fake_llm()
+    run = drive(run_create(agent_name="llm_refund", input=INPUT, actor=system_actor).id)
+    asked, recorded = server.request_count, event_types(run.id)
+    posts = len(refund_posts(sandbox))
+
+    code, output = _replay(run.id)
+
+    assert code == 0, output
+    assert "reusing the recorded model answers" in output
+    assert "step 1: same: call lookup_order" in output
+    assert "step 2: same: call refund_payment" in output
+    assert "step 3: same: finish" in output
+    assert output.strip().endswith("identical")
+    assert server.request_count == asked  # not one request
+    assert len(refund_posts(sandbox)) == posts  # no tool ran
+    assert event_types(run.id) == recorded  # nothing written
+
+
+class _ShortChangingRefund(LLMRefundAgent):
+    """Changed code: maps the model's refund call to 100 cents less (a bug replay catches)."""
+
+    def _action(self, message):
+        action, problem = super()._action(message)
+        if isinstance(action, CallTool) and action.tool == "refund_payment":
+            arguments = {**action.arguments, "amount_cents": action.arguments["amount_cents"] - 100}
+            action = CallTool(action.tool, arguments)
+        return action, problem
+
+
+class _RenamedTool(LLMRefundAgent):
+    """Changed code: lookup_order was renamed, so the model's recorded call is no tool of it."""
+
+    tools = ("refund_payment",)
+
+    def _action(self, message):
+        action, problem = super()._action(message)
+        if isinstance(action, CallTool) and action.tool == "lookup_order":
+            return None, "lookup_order is gone"
+        return action, problem
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_replay_of_recorded_answers_reports_a_changed_mapping(fake_llm, sandbox, system_actor):
+    server = fake_llm()
+    run = drive(run_create(agent_name="llm_refund", input=INPUT, actor=system_actor).id)
+    asked = server.request_count
+    _replace_agent(_ShortChangingRefund())
+
+    code, output = _replay(run.id)
+
+    assert code == 3, output
+    assert "step 1: same: call lookup_order" in output
+    assert "step 2: DIVERGED: would call refund_payment with amount_cents 600 instead of 700" in (
+        output
+    )
+    assert "step 3: same: finish" in output
+    assert "bob@example.com" not in output
+    assert server.request_count == asked
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_replay_of_recorded_answers_reports_a_step_todays_code_would_not_accept(
+    fake_llm, sandbox, system_actor
+):
+    server = fake_llm()
+    run = drive(run_create(agent_name="llm_refund", input=INPUT, actor=system_actor).id)
+    asked = server.request_count
+    _replace_agent(_RenamedTool())
+
+    code, output = _replay(run.id)
+
+    # today's code would have asked the model to correct itself: an answer never recorded
+    assert code == 3, output
+    assert "step 1: NOT CHECKED: no recorded answer" in output
+    assert "step 2: same: call refund_payment" in output
+    assert server.request_count == asked
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_steps_recorded_without_answers_are_reported_not_checked(
+    fake_llm, sandbox, system_actor, monkeypatch
+):
+    server = fake_llm()
+    ask = LLMAgent.ask
+
+    def without_answers(self, *args, **kwargs):  # as recorded before answers were kept
+        decision = ask(self, *args, **kwargs)
+        return Decision(decision.action, dataclasses.replace(decision.usage, answers=()))
+
+    monkeypatch.setattr(LLMAgent, "ask", without_answers)
+    run = drive(run_create(agent_name="llm_refund", input=INPUT, actor=system_actor).id)
+    assert run.status == Run.Status.SUCCEEDED
+    assert all("answers" not in e.payload for e in events(run.id, "step.decided"))
+    asked = server.request_count
+
+    code, output = _replay(run.id)
+
+    assert code == 3, output
+    assert output.count("NOT CHECKED: no recorded answer") == 3
+    assert "3 of 3 steps not checked" in output
+    assert server.request_count == asked
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_live_model_replay_asks_again_writes_nothing_and_reports_a_new_answer(
+    fake_llm, sandbox, system_actor
+):
+    server = fake_llm()
+    run = drive(run_create(agent_name="llm_refund", input=INPUT, actor=system_actor).id)
+    Run.objects.filter(id=run.id).update(model_id="")  # even unpinned: replay pins nothing
+    recorded, posts = event_types(run.id), len(refund_posts(sandbox))
+
+    code, output = _replay(run.id, "--live-model")
+
+    assert code == 0, output
+    assert "asking fake-model-2026 again" in output
+    assert server.request_count == 6  # three decisions, asked again
+    assert {r["model"] for r in server.requests[3:]} == {"fake-model-2026"}
+    # the conversation is rebuilt from the record, as decide builds it
+    assert server.requests[4]["messages"] == server.requests[1]["messages"]
+    assert event_types(run.id) == recorded
+    assert Run.objects.get(id=run.id).model_id == ""
+    assert len(refund_posts(sandbox)) == posts
+
+    def half_refund(request, index):  # the model now answers differently
+        reply = refund_script(request, index)
+        message = reply.body["choices"][0]["message"]
+        for call in message.get("tool_calls") or []:
+            if call["function"]["name"] == "refund_payment":
+                arguments = json.loads(call["function"]["arguments"])
+                call["function"]["arguments"] = json.dumps({**arguments, "amount_cents": 350})
+        return reply
+
+    server.script = half_refund
+    code, output = _replay(run.id, "--live-model")
+
+    assert code == 3, output
+    assert "step 2: DIVERGED: would call refund_payment with amount_cents 350 instead of 700" in (
+        output
+    )
+    assert server.request_count == 9
+    assert event_types(run.id) == recorded
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_live_model_replay_without_a_model_is_a_one_line_error(fake_llm, sandbox, system_actor):
+    fake_llm()
+    run = drive(run_create(agent_name="llm_refund", input=INPUT, actor=system_actor).id)
+    settings.AGENTOPS_LLM["BASE_URL"] = ""
+
+    with pytest.raises(CommandError, match="--live-model needs a model to ask"):
+        call_command("replay", str(run.id), "--live-model", stdout=StringIO())
+
+
+@pytest.mark.django_db
+def test_live_model_replay_of_an_agent_without_a_model_is_refused(sandbox, system_actor):
+    run = drive(
+        run_create(
+            agent_name="refund",
+            input={"order_id": "ord_1001", "amount_cents": 500},
+            actor=system_actor,
+        ).id
+    )
+    with pytest.raises(CommandError, match="not model-backed"):
+        call_command("replay", str(run.id), "--live-model", stdout=StringIO())
+
+
+class _FollowingRefund(LLMRefundAgent):
+    name = "llm_refund_follow"
+    model_policy = "follow"
+
+
+def _ask_then_finish(request, index):
+    if index == 0:
+        return tool_call("ask_person", {"question": "Refund in full?", "choices": ["yes", "no"]})
+    return text("ok")
+
+
+def _answer_and_drive(run_id, operator):
+    from runs.actors import Actor
+    from runs.models import Question
+    from runs.waits import question_answer
+
+    question = Question.objects.get(run_id=run_id)
+    question_answer(question_id=question.id, answer="yes", actor=Actor.for_user(operator, "web"))
+    return drive(run_id)
+
+
+@pytest.mark.django_db
+def test_a_following_agent_moves_its_run_to_the_new_model_recorded(
+    fake_llm, sandbox, system_actor, operator, register
+):
+    register(_FollowingRefund())
+    server = fake_llm(_ask_then_finish)
+    run = drive(run_create(agent_name="llm_refund_follow", input=INPUT, actor=system_actor).id)
+    assert run.status == Run.Status.WAITING_EVENT
+    assert events(run.id, "run.model_changed") == []  # nothing changed yet
+    settings.AGENTOPS_LLM["MODEL"] = "a-newer-model"  # deployed while the run waits
+
+    run = _answer_and_drive(run.id, operator)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert [r["model"] for r in server.requests] == ["fake-model-2026", "a-newer-model"]
+    assert run.model_id == "a-newer-model"
+    changed = events(run.id, "run.model_changed")
+    assert [(e.payload["from"], e.payload["to"]) for e in changed] == [
+        ("fake-model-2026", "a-newer-model")
+    ]
+    assert changed[0].actor.startswith("worker:")
+    assert describe("run.model_changed", changed[0].payload).startswith(
+        "model changed from fake-model-2026 to a-newer-model"
+    )
+    # recorded before the decision that used it
+    decided = events(run.id, "step.decided")[-1]
+    assert changed[0].seq < decided.seq
+    assert decided.payload["usage"]["model"] == "a-newer-model"
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_a_pinning_agent_keeps_its_run_on_the_model_it_started_with(
+    fake_llm, sandbox, system_actor, operator
+):
+    assert LLMRefundAgent.model_policy == "pin"
+    server = fake_llm(_ask_then_finish)
+    run = drive(run_create(agent_name="llm_refund", input=INPUT, actor=system_actor).id)
+    settings.AGENTOPS_LLM["MODEL"] = "a-newer-model"
+
+    run = _answer_and_drive(run.id, operator)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert [r["model"] for r in server.requests] == ["fake-model-2026", "fake-model-2026"]
+    assert run.model_id == "fake-model-2026"
+    assert events(run.id, "run.model_changed") == []
+    # a question the model asked replays too, from its recorded answer
+    code, output = _replay(run.id)
+    assert code == 0, output
+    assert "step 1: same: ask 'Refund in full?'" in output
+    assert server.request_count == 2
+
+
+def test_an_unknown_model_policy_is_refused_when_the_agent_is_defined():
+    with pytest.raises(TypeError, match="model_policy"):
+
+        class _Typo(LLMAgent):  # noqa: F841 (defining it is the test)
+            name = "typo"
+            model_policy = "folow"

@@ -1,10 +1,21 @@
 """``python manage.py replay <run-id>``: would today's agent code decide what the record says?
 
-Re-runs the agent's ``decide`` against the recorded steps, one at a time: each decision is
+Re-runs the agent's decisions against the recorded steps, one at a time: each decision is
 compared with the recorded one, then the recorded outcome (never a new one) is fed back and
 folded into the state with ``apply``, starting from the agent's initial state for the run's
-input. No tool is called and nothing is written. Exit 0: identical; 3: diverged; 1: the run
-or its agent is unknown.
+input. No tool is called and nothing is written.
+
+A model-backed agent (``runs.llm.LLMAgent``) is not asked again by default: each step's
+recorded model answers (``step.decided`` payload ``answers``) go through today's mapping from
+answer to action, so a change to that code, to the agent's tools or to what it accepts shows
+up without a request. A step recorded without answers (before answers were recorded, or
+decided by other code) is reported as "no recorded answer" and makes the replay inconclusive:
+exit 3, since "identical" would claim something nobody checked. ``--live-model`` asks the
+model again instead, with the conversation rebuilt from the record as ``decide`` builds it;
+it still executes no tool and writes nothing (no pinning, no events).
+
+Exit 0: identical; 3: diverged or not checked; 1: unknown run or agent, or ``--live-model``
+without a model to ask.
 """
 
 from __future__ import annotations
@@ -15,8 +26,11 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
-from runs.models import Run, Step, ToolCall
+from runs.llm import LLMAgent, ModelError, ModelUnavailable, call_records
+from runs.models import Run, RunEvent, Step, ToolCall
 from runs.registry import (
+    Action,
+    AskQuestion,
     CallTool,
     Decision,
     DecisionContext,
@@ -37,8 +51,16 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("run_id")
+        parser.add_argument(
+            "--live-model",
+            action="store_true",
+            help=(
+                "for a model-backed agent, ask the model again for every step instead of "
+                "reusing its recorded answers (still executes no tool, writes nothing)"
+            ),
+        )
 
-    def handle(self, *args: Any, run_id: str, **options: Any) -> None:
+    def handle(self, *args: Any, run_id: str, live_model: bool = False, **options: Any) -> None:
         try:
             run = Run.objects.get(id=run_id)
         except (Run.DoesNotExist, ValidationError, ValueError):
@@ -49,15 +71,36 @@ class Command(BaseCommand):
             raise CommandError(
                 f"agent {run.agent_name!r} of run {run_id} is not registered"
             ) from None
+        model_backed = isinstance(agent, LLMAgent)
+        if live_model:
+            if not model_backed:
+                raise CommandError(
+                    f"--live-model: agent {run.agent_name!r} is not model-backed; "
+                    "replay it without --live-model"
+                )
+            config = agent.config()
+            model = run.model_id or config.model
+            if not config.base_url or not model:
+                raise CommandError(
+                    "--live-model needs a model to ask: set AGENTOPS_LLM_BASE_URL and "
+                    "AGENTOPS_LLM_MODEL"
+                )
         steps = list(Step.objects.filter(run=run).order_by("seq"))
         calls = {c.step_id: c for c in ToolCall.objects.filter(run=run)}
+        how = ""
+        if model_backed:
+            how = (
+                f"; asking {model} again" if live_model else "; reusing the recorded model answers"
+            )
         self.stdout.write(
             f"run {run.id}: {run.agent_name} recorded on version {run.agent_version}, "
-            f"replayed on {agent.version}; {len(steps)} steps"
+            f"replayed on {agent.version}; {len(steps)} steps{how}"
         )
+        answers = _recorded_answers(run) if model_backed and not live_model else {}
+        records = call_records(run.id) if live_model else {}
         state = agent.initial_state(run.input)
         history: list = []
-        diverged = 0
+        diverged = unchecked = 0
         for step in steps:
             context = DecisionContext(
                 run_id=str(run.id),
@@ -66,18 +109,46 @@ class Command(BaseCommand):
                 state=state,
                 steps=tuple(history),
             )
-            try:
-                action = agent.decide(context)
-            except Exception as exc:
-                action = exc
+            action: Any
+            if model_backed and not live_model:
+                action = agent.action_from_answers(answers.get(step.seq, ()))
+            elif live_model:
+                # only the calls the model had seen when it decided this step
+                seen = {seq: record for seq, record in records.items() if seq < step.seq}
+                try:
+                    action = agent.ask(
+                        context,
+                        seen,
+                        config=config,
+                        model=model,
+                        max_output=config.max_output_tokens,
+                    )
+                except (ModelUnavailable, ModelError) as exc:
+                    raise CommandError(
+                        f"step {step.seq}: the model could not be asked: {exc}"
+                    ) from None
+            else:
+                try:
+                    action = agent.decide(context)
+                except Exception as exc:
+                    action = exc
             if isinstance(action, Decision):
                 action = action.action  # an LLM agent's answer with its usage: compare the action
-            difference = _compare(action, step, calls.get(step.id))
-            if difference:
-                diverged += 1
-                self.stdout.write(f"step {step.seq}: DIVERGED: {difference}")
+            if action is None:
+                unchecked += 1
+                self.stdout.write(
+                    f"step {step.seq}: NOT CHECKED: no recorded answer "
+                    f"({_describe_recorded(step)}); use --live-model to ask the model"
+                )
             else:
-                self.stdout.write(f"step {step.seq}: same: {_describe_recorded(step)}")
+                difference = _compare(
+                    action, step, calls.get(step.id), masked=model_backed and not live_model
+                )
+                if difference:
+                    diverged += 1
+                    self.stdout.write(f"step {step.seq}: DIVERGED: {difference}")
+                else:
+                    self.stdout.write(f"step {step.seq}: same: {_describe_recorded(step)}")
             view = step_view(step)
             if step.status != Step.Status.PENDING:
                 # the recorded outcome, exactly as the engine folded it
@@ -85,13 +156,31 @@ class Command(BaseCommand):
             history.append(view)
         if diverged:
             self.stdout.write(f"diverged at {diverged} of {len(steps)} steps")
+        if unchecked:
+            self.stdout.write(f"{unchecked} of {len(steps)} steps not checked (no recorded answer)")
+        if diverged or unchecked:
             sys.exit(DIVERGED)
         self.stdout.write("identical")
+
+
+def _recorded_answers(run: Run) -> dict[int, list[Any]]:
+    """Each step's recorded model answers, from its ``step.decided`` event."""
+    answers: dict[int, list[Any]] = {}
+    decided = RunEvent.objects.filter(run=run, type="step.decided").values_list(
+        "payload", flat=True
+    )
+    for payload in decided:
+        recorded = payload.get("answers")
+        if isinstance(recorded, list) and recorded and isinstance(payload.get("seq"), int):
+            answers[payload["seq"]] = recorded
+    return answers
 
 
 def _describe_recorded(step: Step) -> str:
     if step.kind == Step.Kind.TOOL_CALL:
         return f"call {step.input.get('tool')} ({step.status})"
+    if step.kind == Step.Kind.WAIT and step.input.get("wait") == "question":
+        return f"ask {step.input.get('text', '')!r}"
     return step.kind
 
 
@@ -102,8 +191,12 @@ def _describe_action(action: Any) -> str:
         return "finish"
     if isinstance(action, Fail):
         return "fail"
+    if isinstance(action, AskQuestion):
+        return f"ask {action.text!r}"
     if isinstance(action, Exception):
         return f"raise {type(action).__name__}: {action}"
+    if isinstance(action, Action):
+        return type(action).__name__
     return f"return {type(action).__name__} (not an action)"
 
 
@@ -114,8 +207,10 @@ def _masked(tool_name: str, arguments: Any) -> Any:
         return arguments
 
 
-def _compare(action: Any, step: Step, call: ToolCall | None) -> str:
-    """Empty when today's decision is the recorded one; else what would differ."""
+def _compare(action: Any, step: Step, call: ToolCall | None, *, masked: bool = False) -> str:
+    """Empty when today's decision is the recorded one; else what would differ. ``masked``:
+    the action came from a recorded model answer whose sensitive arguments were masked, so
+    those are compared masked on both sides (their values were never recorded)."""
     recorded = _describe_recorded(step)
     if step.kind == Step.Kind.TOOL_CALL:
         if not isinstance(action, CallTool):
@@ -125,9 +220,9 @@ def _compare(action: Any, step: Step, call: ToolCall | None) -> str:
             return f"would call {action.tool} instead of {tool}"
         if call is None:
             return ""  # a call the engine refused: its arguments were not recorded
-        if dict(action.arguments) == call.arguments:
-            return ""
         now, then = _masked(tool, dict(action.arguments)), _masked(tool, call.arguments)
+        if dict(action.arguments) == call.arguments or (masked and now == then):
+            return ""
         changes = [
             f"{key} {now.get(key, '(absent)')} instead of {then.get(key, '(absent)')}"
             for key in sorted(set(now) | set(then))
@@ -145,5 +240,15 @@ def _compare(action: Any, step: Step, call: ToolCall | None) -> str:
             return f"would {_describe_action(action)} instead of fail"
         if action.reason != step.input.get("reason"):
             return f"would fail with {action.reason!r} instead of {step.input.get('reason')!r}"
+        return ""
+    if step.kind == Step.Kind.WAIT and step.input.get("wait") == "question":
+        if not isinstance(action, AskQuestion):
+            return f"would {_describe_action(action)} instead of {recorded}"
+        choices = list(action.choices) if action.choices else None
+        recorded_choices = list(step.input.get("choices") or []) or None
+        if action.text != step.input.get("text") or choices != recorded_choices:
+            return f"would ask {action.text!r} (choices {choices}) instead of {recorded}"
+        if action.group != step.input.get("group"):
+            return f"would ask group {action.group} instead of {step.input.get('group')}"
         return ""
     return f"cannot compare a {step.kind} step"
