@@ -234,7 +234,23 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
             return f"question #{p.get('question_id')} asked of {p.get('group')}"
         case "question.answered":
             return f"question #{p.get('question_id')} answered by {by}"
+        case "question.email_sent" | "approval.email_sent":
+            subject = _emailed_about(event_type, p)
+            again = " again" if p.get("resent") else ""
+            return f"{subject} emailed{again} to {p.get('to')}"
+        case "question.email_failed" | "approval.email_failed":
+            subject = _emailed_about(event_type, p)
+            return f"{subject}: email to {p.get('to')} failed ({p.get('error')})"
+        case "question.link_used" | "approval.link_used":
+            subject = _emailed_about(event_type, p)
+            return f"{subject}: emailed link used by {p.get('by') or by}"
     return event_type
+
+
+def _emailed_about(event_type: str, p: Mapping[str, Any]) -> str:
+    if event_type.startswith("question."):
+        return f"question #{p.get('question_id')}"
+    return f"approval #{p.get('approval')}"
 
 
 def _limits_change(p: Mapping[str, Any]) -> str:
