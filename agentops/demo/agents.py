@@ -113,9 +113,9 @@ class FollowUpAgent(Agent):
             )
         if tool == "send_notification":
             if last.status == "completed":
-                return Finish(
-                    {"notified": True, "notification_id": last.output.get("notification_id")}
-                )
+                # an operator who resolved a lost outcome as "it happened" may give no result
+                output = last.output if isinstance(last.output, dict) else {}
+                return Finish({"notified": True, "notification_id": output.get("notification_id")})
             return Fail(f"could not notify the customer: {last.error}")
         return Fail(f"unexpected step {last.seq}")
 

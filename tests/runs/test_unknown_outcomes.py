@@ -237,7 +237,7 @@ def _followup_run(system_actor) -> Run:
 
 @pytest.mark.django_db
 def test_unsafe_notification_with_lost_response_goes_to_a_person_and_is_never_resent(
-    sandbox, system_actor, monkeypatch
+    sandbox, system_actor, monkeypatch, django_user_model
 ):
     def send_and_lose_response(arguments, ctx):
         response = demo_tools._request(
@@ -262,6 +262,19 @@ def test_unsafe_notification_with_lost_response_goes_to_a_person_and_is_never_re
     call = ToolCall.objects.get(run=run, tool_name="send_notification")
     assert (call.status, call.attempt_count) == (ToolCall.Status.UNKNOWN, 1)
     assert events(run.id, "tool.reconcile_attempted") == []
+
+    # the operator checked the customer's inbox: it was sent, with no id to give
+    from runs.actors import Actor
+    from runs.services import toolcall_resolve
+
+    operator = django_user_model.objects.create_superuser("ops", password="x")
+    toolcall_resolve(
+        tool_call_id=call.id, outcome="happened", actor=Actor.for_user(operator, "web")
+    )
+    run = drive(run.id)
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result == {"notified": True, "notification_id": None}
+    assert len(notifications(sandbox)) == 1
 
 
 @pytest.fixture
