@@ -137,7 +137,8 @@ def test_quick_worker_sections_measure_real_workers(tmp_path, roles):
     for row in rows:
         assert row["succeeded"] == 3, row
         assert row["steps_per_s"] > 0 and row["insert_commit_per_s"] > 0
-        assert row["commits_per_step"] > 0 and row["worker_cpu_ms_per_step"] > 0
+        # worker CPU comes from /proc in clock ticks (10 ms): a tiny run may read 0
+        assert row["commits_per_step"] > 0 and row["worker_cpu_ms_per_step"] >= 0
     approval = report["results"]["approval"]
     assert approval["dispatched"] == 2 and approval["ms_p50"] > 0
     verdicts = {check["target"]: check["holds"] for check in report["targets"]}

@@ -412,6 +412,7 @@ class Harness:
         self.next_db_fault = 0.0
         self.connections_terminated = 0
         self.pg_restarts = 0
+        self.workers_restarted = 0  # under --db-faults: exits after a lost connection
         self.pg_restart_due = False
 
     # --- setup ------------------------------------------------------------------------------
@@ -596,11 +597,17 @@ class Harness:
         self._db_fault_due()
         for slot, worker in list(self.workers.items()):
             if worker.crash_at is None and not worker.alive:
-                # an ordinary worker died on its own: that is a finding, and it is restarted
+                # an ordinary worker died on its own: that is a finding, and it is restarted.
+                # Under --db-faults a worker may lose its connection at a moment it cannot
+                # recover from (its start-up, its identity heartbeat): it exits, is restarted
+                # like after a crash, and the invariants decide (issue 3: "survive or restart").
                 self.keep_logs = True
-                self.notes.append(
-                    f"worker {worker.name} exited on its own with {worker.process.returncode}"
-                )
+                if self.opts.db_faults and self.connections_terminated:
+                    self.workers_restarted += 1
+                else:
+                    self.notes.append(
+                        f"worker {worker.name} exited on its own with {worker.process.returncode}"
+                    )
                 self.out(
                     f"worker {worker.name} exited ({worker.process.returncode}):\n"
                     f"{worker.log_tail()}"
@@ -891,6 +898,7 @@ class Harness:
             "unknown_outcomes": len(unknown_keys),
             "db_connections_terminated": self.connections_terminated,
             "pg_restarts": self.pg_restarts,
+            "workers_restarted": self.workers_restarted,
             "database": connection.vendor,
             "seed": self.opts.seed,
             "elapsed_seconds": round(time.monotonic() - self.started, 1),
