@@ -41,6 +41,7 @@ v1 = [
     ),
     path("runs/<uuid:run_id>/steps/", remote_api.StepApi.as_view(), name="run-steps"),
     path("runs/<uuid:run_id>/tool-calls/", remote_api.ProposeApi.as_view(), name="run-tool-calls"),
+    path("runs/<uuid:run_id>/waits/", remote_api.WaitApi.as_view(), name="run-waits"),
     path("runs/<uuid:run_id>/finish/", remote_api.FinishApi.as_view(), name="run-finish"),
     path("tool-calls/", runs_api.ToolCallListApi.as_view(), name="tool-calls"),
     path(

@@ -12,7 +12,10 @@ so an agent process can vendor this one file. See docs/remote-agents.md for a co
             dispatch = run.dispatch(proposal.tool_call_id)
             ...                                              # call the tool with dispatch.idempotency_key
             run.receipt(proposal.tool_call_id, "succeeded", result=...)
-        run.finish({"refunded": True})
+        wait = run.wait_for_signal("customer_replied", timeout=3 * 86400)
+        if wait.waiting:                                     # the lease is released: exit; the
+            return                                           # run.wait_ended webhook wakes us
+        run.finish({"refunded": True, "reply": wait.outcome.output})
 
 Errors are raised as ``ApiError`` subclasses named after the API's error codes; a
 ``LeaseLost`` means this process must stop advancing the run at once (another process took
@@ -26,8 +29,9 @@ import hmac
 import json
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from types import TracebackType
 from typing import Any
 
@@ -43,6 +47,8 @@ __all__ = [
     "RemoteRun",
     "Resume",
     "ToolCallInfo",
+    "Wait",
+    "WaitOutcome",
     "WebhookVerificationError",
     "verify_webhook",
 ]
@@ -152,8 +158,67 @@ class ToolCallInfo:
 
 
 @dataclass(frozen=True)
+class WaitOutcome:
+    """How a wait ended. ``ended_by``: ``signal`` (``output`` is its payload), ``answer``
+    (the answer), ``timer`` (``{"until": ...}``) or ``timeout`` (``timed_out``; ``output`` is
+    the wait's declared default)."""
+
+    step_seq: int
+    kind: str  # signal | timer | question
+    ended_by: str
+    timed_out: bool
+    output: Any
+    signal_id: int | None = None
+    question_id: int | None = None
+    answered_by: str | None = None
+
+    @classmethod
+    def from_json(cls, step_seq: int, output: Any, data: Mapping[str, Any]) -> WaitOutcome:
+        return cls(
+            step_seq=step_seq,
+            kind=data["kind"],
+            ended_by=data["ended_by"],
+            timed_out=data["timed_out"],
+            output=output,
+            signal_id=data.get("signal_id"),
+            question_id=data.get("question_id"),
+            answered_by=data.get("answered_by"),
+        )
+
+
+@dataclass(frozen=True)
+class Wait:
+    """What beginning a wait answered. ``waiting``: the run is parked and the lease is
+    released — stop, and lease the run again when the ``run.wait_ended`` webhook arrives
+    (its resume packet has the outcome). Otherwise the wait ended at once (the signal was
+    already there, the time had come): ``outcome`` says how, and the lease is still yours."""
+
+    step_seq: int
+    kind: str
+    waiting: bool
+    deadline: str | None
+    question_id: int | None
+    outcome: WaitOutcome | None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Wait:
+        outcome = data.get("outcome")
+        return cls(
+            step_seq=data["step_seq"],
+            kind=data["kind"],
+            waiting=data["waiting"],
+            deadline=data.get("deadline"),
+            question_id=data.get("question"),
+            outcome=WaitOutcome.from_json(data["step_seq"], data.get("output"), outcome)
+            if outcome
+            else None,
+        )
+
+
+@dataclass(frozen=True)
 class Resume:
-    """Where the run stands: everything a new process needs before deciding anything."""
+    """Where the run stands: everything a new process needs before deciding anything.
+    ``waits`` are the finished waits, oldest first (``last_wait``: the latest one)."""
 
     run_id: str
     agent_version: str
@@ -166,21 +231,38 @@ class Resume:
     pending_approvals: list[dict[str, Any]]
     migrated_from: str | None = None
     migrations: list[dict[str, Any]] = field(default_factory=list)
+    waits: list[WaitOutcome] = field(default_factory=list)
+
+    @property
+    def last_wait(self) -> WaitOutcome | None:
+        return self.waits[-1] if self.waits else None
+
+    @property
+    def next_seq(self) -> int:
+        """The number the run's next step gets (pass it as ``seq`` to make a retry safe)."""
+        seqs = [s["seq"] for s in self.steps] + [c.step_seq for c in self.open_tool_calls]
+        return max(seqs, default=0) + 1
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> Resume:
+        steps = list(data.get("steps") or [])
         return cls(
             run_id=data["run"],
             agent_version=data["agent_version"],
             goal=data.get("goal", ""),
             input=dict(data.get("input") or {}),
             state=dict(data.get("state") or {}),
-            steps=list(data.get("steps") or []),
+            steps=steps,
             open_tool_calls=[ToolCallInfo.from_json(c) for c in data.get("open_tool_calls", [])],
             unknown_outcomes=[ToolCallInfo.from_json(c) for c in data.get("unknown_outcomes", [])],
             pending_approvals=list(data.get("pending_approvals") or []),
             migrated_from=data.get("migrated_from"),
             migrations=list(data.get("migrations") or []),
+            waits=[
+                WaitOutcome.from_json(step["seq"], step.get("output"), step["wait"])
+                for step in steps
+                if step.get("wait")
+            ],
         )
 
 
@@ -417,8 +499,11 @@ class RemoteRun:
         state: Mapping[str, Any] | None = None,
         cost: float | str = 0,
         tokens: int = 0,
+        seq: int | None = None,
     ) -> dict[str, Any]:
-        """Checkpoint a decision (and the new state) before acting on it."""
+        """Checkpoint a decision (and the new state) before acting on it. With ``seq`` (the
+        number this step should get, e.g. ``resume.next_seq``) sending it again after a lost
+        answer returns the step already recorded instead of recording a second one."""
         body: dict[str, Any] = {
             "input": input if input is not None else {},
             "output": output,
@@ -427,6 +512,8 @@ class RemoteRun:
         }
         if state is not None:
             body["state"] = dict(state)
+        if seq is not None:
+            body["seq"] = seq
         return self._post(f"runs/{self.run_id}/steps/", body)
 
     def propose(
@@ -444,6 +531,62 @@ class RemoteRun:
             approval_id=data.get("approval"),
             error=data.get("error", ""),
         )
+
+    # durable waits (docs/waits.md): the run parks with no lease; exit, and lease it again
+    # when the run.wait_ended webhook arrives
+
+    def _wait(self, body: dict[str, Any], seq: int | None) -> Wait:
+        if seq is not None:
+            body["seq"] = seq
+        wait = Wait.from_json(self._post(f"runs/{self.run_id}/waits/", body))
+        if wait.waiting:
+            self.stop_heartbeat()  # the lease is released: nothing left to keep alive
+        return wait
+
+    def wait_for_signal(
+        self,
+        name: str,
+        *,
+        timeout: float | None = None,
+        default: Any = None,
+        seq: int | None = None,
+    ) -> Wait:
+        """Wait for the signal ``name`` (one sent before the wait began counts). ``timeout``
+        seconds (None: for ever) then ends it with ``default``."""
+        return self._wait(
+            {"kind": "signal", "name": name, "timeout_seconds": timeout, "default": default}, seq
+        )
+
+    def sleep(self, seconds: float, *, seq: int | None = None) -> Wait:
+        """A durable timer: the run wakes after ``seconds``, whatever happens to processes."""
+        return self._wait({"kind": "timer", "seconds": seconds}, seq)
+
+    def sleep_until(self, until: datetime | str, *, seq: int | None = None) -> Wait:
+        """A durable timer until a time (a timezone-aware datetime or an ISO 8601 string)."""
+        when = until.isoformat() if isinstance(until, datetime) else until
+        return self._wait({"kind": "timer", "until": when}, seq)
+
+    def ask(
+        self,
+        text: str,
+        *,
+        choices: Sequence[str] | None = None,
+        group: str = "operator",
+        ttl_seconds: int = 24 * 3600,
+        default: Any = None,
+        seq: int | None = None,
+    ) -> Wait:
+        """Ask the people in ``group`` (they are emailed a link and see it in the console);
+        the outcome is the first valid answer, or ``default`` after ``ttl_seconds``."""
+        body: dict[str, Any] = {
+            "kind": "question",
+            "text": text,
+            "choices": list(choices) if choices is not None else None,
+            "group": group,
+            "ttl_seconds": ttl_seconds,
+            "default": default,
+        }
+        return self._wait(body, seq)
 
     def dispatch(self, tool_call_id: int, *, precondition: str = "") -> Dispatch:
         """Mark the call ``dispatching`` *before* calling the tool (a retried request with

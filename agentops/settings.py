@@ -97,8 +97,9 @@ SECURE_PROXY_SSL_HEADER = (
 CSRF_TRUSTED_ORIGINS = env_list("CSRF_TRUSTED_ORIGINS", [])
 
 # Content-Security-Policy (django-csp): no inline script or style anywhere. Pages load
-# their JavaScript from static/js/, htmx is told not to inject its indicator <style>
-# (htmx-config meta in base.html), and Swagger UI loads its init script from a URL.
+# their JavaScript from static/js/, htmx is told not to inject its indicator <style> nor to
+# copy style attributes when it swaps (htmx-config meta in base.html), and Swagger UI loads
+# its init script from a URL.
 _SELF, _NONE = "'self'", "'none'"
 CONTENT_SECURITY_POLICY = {
     "DIRECTIVES": {
@@ -158,6 +159,16 @@ elif _db["ENGINE"] == "django.db.backends.postgresql":
     _db["CONN_MAX_AGE"] = env_int("CONN_MAX_AGE", 60)
     _db["CONN_HEALTH_CHECKS"] = True
     _db["TEST"] = {"NAME": env_str("AGENTOPS_TEST_DATABASE", f"test_{_db['NAME']}")}
+    # Server-side parameters, and statements run twice on a connection prepared: PostgreSQL
+    # plans the engine's few statements once, and psycopg does not quote values into SQL
+    # (together about a third of the CPU of a step: docs/benchmarks.md).
+    if env_bool("AGENTOPS_PG_SERVER_BINDING", True):
+        # added to the URL's own options (sslmode, application_name, ...), not instead
+        _db["OPTIONS"] = {
+            **_db.get("OPTIONS", {}),
+            "server_side_binding": True,
+            "prepare_threshold": 2,
+        }
 else:
     raise ImproperlyConfigured(f"DATABASE_URL uses an unsupported engine: {_db['ENGINE']}")
 DATABASES = {"default": _db}
@@ -239,6 +250,7 @@ SPECTACULAR_SETTINGS = {
         "RunStatusEnum": "runs.models.Run.Status",
         "ToolCallStatusEnum": "runs.models.ToolCall.Status",
         "ApprovalStatusEnum": "approvals.models.Approval.Status",
+        "WaitKindEnum": "runs.remote.WAIT_KINDS",
     },
 }
 
@@ -246,6 +258,8 @@ SPECTACULAR_SETTINGS = {
 Q_CLUSTER = {
     "name": "agentops",
     "orm": "default",
+    # the ORM broker, but a lost connection does not stop the pusher for 10 s (runs/broker.py)
+    "broker_class": "runs.broker.OrmBroker",
     "workers": env_int("AGENTOPS_Q_WORKERS", 2),
     # A task advances one slice (bounded by AGENTOPS_SLICE_SECONDS); timeout < retry so the
     # broker does not hand a still-running slice to a second worker. If it ever does, the
@@ -290,6 +304,8 @@ AGENTOPS = {
     "FROZEN_AFTER": env_float("AGENTOPS_FROZEN_AFTER", 90.0),
     # a worker identity whose heartbeat is older than this is dead
     "WORKER_STALE_AFTER": env_float("AGENTOPS_WORKER_STALE_AFTER", 15.0),
+    # runworker retries an unreachable database this long at start-up, then exits with 1
+    "STARTUP_DB_WAIT": env_float("AGENTOPS_STARTUP_DB_WAIT", 30.0),
     "DEFAULT_MAX_STEPS": env_int("AGENTOPS_DEFAULT_MAX_STEPS", 100),
     "SANDBOX_URL": env_str("AGENTOPS_SANDBOX_URL", "http://127.0.0.1:8765"),
     # absolute links in emails (approval links) start with this

@@ -13,6 +13,7 @@ from urllib.parse import urlencode
 
 from django.core.exceptions import ObjectDoesNotExist
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.db import IntegrityError
 from django.http import Http404, JsonResponse
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
 from rest_framework import exceptions, pagination, permissions, serializers
@@ -114,6 +115,15 @@ def _translate(exc: Exception) -> tuple[str, str, dict[str, list[str]] | None] |
         return "unknown_agent", str(exc).strip("'\""), None
     if isinstance(exc, LeaseLost):
         return "lease_lost", str(exc), None
+    if isinstance(exc, IntegrityError):
+        # two requests raced for the same row (the same step of a run, sent twice at once):
+        # the loser's transaction is rolled back whole, and it may read again and retry
+        return (
+            "invalid_state",
+            "A concurrent request changed this record first; nothing was written. "
+            "Read it again and retry.",
+            None,
+        )
     code = getattr(exc, "code", None)
     if isinstance(code, str) and code in STATUS_BY_CODE:
         # a service's domain error (InvalidState, InvalidInput, AlreadyDecided, ...)

@@ -29,7 +29,6 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from runs import fastsql, logs, services, tracing, transitions, waits
-from runs.dbtime import db_now
 from runs.events import Checkpoint, LeaseLost, checkpoint, lease_expiry_expression
 from runs.gate import GateRefused, gate_installed, get_gate
 from runs.models import AgentManifest, Run, Step, ToolCall, ToolReceipt
@@ -91,8 +90,10 @@ class Lease:
         return self.claimed_db_time + timedelta(seconds=time.monotonic() - self.claimed_monotonic)
 
     @contextmanager
-    def checkpoint(self) -> Iterator[Checkpoint]:
-        with checkpoint(self.run.id, actor=self.actor, channel="worker", fence=self.fence) as cp:
+    def checkpoint(self, *, locked: Run | None = None) -> Iterator[Checkpoint]:
+        with checkpoint(
+            self.run.id, actor=self.actor, channel="worker", fence=self.fence, locked=locked
+        ) as cp:
             yield cp
             if self.decision_usage is not None and "decided" in cp.boundaries:
                 _record_decision_usage(cp, self, self.decision_usage)
@@ -156,34 +157,13 @@ def claim(
 ) -> Lease | None:
     """Take the lease with one compare-and-set UPDATE in database time. Returns None when the
     run is not runnable or someone else holds a live lease (a duplicate wake-up)."""
-    # runnable, or waiting with its timer or timeout due (docs/waits.md)
-    observed = (
-        Run.objects.filter(waits.claimable(), _kind_filter(remote), id=run_id)
-        .values_list("fence", "status")
-        .first()
-    )
-    if observed is None:
-        return None
-    fence, status = observed
-    recovered = status == Run.Status.RUNNING  # its last holder never released it
     with transaction.atomic():
-        taken = (
-            Run.objects.filter(waits.claimable(), _kind_filter(remote), id=run_id, fence=fence)
-            .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now()))
-            .filter(Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
-            .update(
-                fence=F("fence") + 1,
-                lease_owner=worker,
-                lease_expires_at=lease_expiry_expression(),
-                status=Run.Status.RUNNING,
-                recovery_count=F("recovery_count") + (1 if recovered else 0),
-                wake_at=None,
-                enqueued_at=None,
-            )
+        taken = (_take_lease_sql if connection.vendor == "postgresql" else _take_lease_orm)(
+            run_id, worker=worker, remote=remote
         )
-        if taken != 1:
+        if taken is None:
             return None
-        run = Run.objects.get(id=run_id)
+        run, recovered, claimed_db_time = taken
         if on_claimed is not None:
             on_claimed(run, recovered)
         try:
@@ -197,9 +177,9 @@ def claim(
             recovered=recovered,
             agent=agent,  # type: ignore[arg-type]
             steps=list(Step.objects.filter(run_id=run_id).order_by("seq")),
-            claimed_db_time=db_now(),
+            claimed_db_time=claimed_db_time,
         )
-        with lease.checkpoint() as cp:
+        with lease.checkpoint(locked=run) as cp:
             cp.event(
                 "run.claimed",
                 worker=worker,
@@ -209,6 +189,107 @@ def claim(
             )
             cp.boundary("claimed")
     return lease
+
+
+def _take_lease_orm(run_id: Any, *, worker: str, remote: bool) -> tuple[Run, bool, datetime] | None:
+    """The claim's compare-and-set through the ORM (SQLite): read the fence, then UPDATE
+    on it. Returns the run as updated, whether it was recovered, and the database's time."""
+    # runnable, or waiting with its timer or timeout due (docs/waits.md)
+    observed = (
+        Run.objects.filter(waits.claimable(), _kind_filter(remote), id=run_id)
+        .values_list("fence", "status")
+        .first()
+    )
+    if observed is None:
+        return None
+    fence, status = observed
+    recovered = status == Run.Status.RUNNING  # its last holder never released it
+    taken = (
+        Run.objects.filter(waits.claimable(), _kind_filter(remote), id=run_id, fence=fence)
+        .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now()))
+        .filter(Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
+        .update(
+            fence=F("fence") + 1,
+            lease_owner=worker,
+            lease_expires_at=lease_expiry_expression(),
+            status=Run.Status.RUNNING,
+            recovery_count=F("recovery_count") + (1 if recovered else 0),
+            wake_at=None,
+            enqueued_at=None,
+        )
+    )
+    if taken != 1:
+        return None
+    # the row the UPDATE above locked, and the database's clock, in one query
+    run = Run.objects.annotate(db_time_at_claim=Now()).get(id=run_id)
+    return run, recovered, run.db_time_at_claim
+
+
+_claim_sql: dict[bool, tuple[str, list[Any]]] = {}
+
+
+def _take_lease_sql(run_id: Any, *, worker: str, remote: bool) -> tuple[Run, bool, datetime] | None:
+    """The same compare-and-set on PostgreSQL as ONE statement (docs/benchmarks.md: built
+    through the ORM, the claim's three queries cost more CPU than a whole step). The
+    subquery locks the row and reads the status it had — ``running`` means its last holder
+    never released it (recovered) — and the UPDATE applies the ORM path's conditions to that
+    same, locked row; RETURNING gives the row as updated and the database's time."""
+    if remote not in _claim_sql:
+        quote = connection.ops.quote_name
+        meta = Run._meta
+
+        def col(name: str) -> str:
+            return quote(meta.get_field(name).column)
+
+        fields = meta.concrete_fields
+        table, manifests = quote(meta.db_table), quote(AgentManifest._meta.db_table)
+        runnable = ", ".join(["%s"] * len(Run.RUNNABLE))
+        now = "STATEMENT_TIMESTAMP()"
+        sql = (
+            f"UPDATE {table} AS r SET {col('fence')} = r.{col('fence')} + 1, "
+            f"{col('lease_owner')} = %s, "
+            f"{col('lease_expires_at')} = {now} + make_interval(secs => %s), "
+            f"{col('status')} = %s, "
+            f"{col('recovery_count')} = r.{col('recovery_count')} "
+            f"+ CASE WHEN old.{col('status')} = %s THEN 1 ELSE 0 END, "
+            f"{col('wake_at')} = NULL, {col('enqueued_at')} = NULL "
+            f"FROM (SELECT {col('id')}, {col('status')} FROM {table} "
+            f"WHERE {col('id')} = %s FOR UPDATE) AS old "
+            f"WHERE r.{col('id')} = old.{col('id')} "
+            f"AND (r.{col('status')} IN ({runnable}) OR (r.{col('status')} = %s "
+            f"AND r.{col('wake_at')} IS NOT NULL AND r.{col('wake_at')} <= {now})) "
+            f"AND {'' if remote else 'NOT '}(r.{col('agent_name')} IN "
+            f"(SELECT {quote(AgentManifest._meta.get_field('name').column)} FROM {manifests})) "
+            f"AND (r.{col('lease_expires_at')} IS NULL OR r.{col('lease_expires_at')} < {now}) "
+            f"AND (r.{col('wake_at')} IS NULL OR r.{col('wake_at')} <= {now}) "
+            f"RETURNING old.{col('status')}, {now}, "
+            + ", ".join(f"r.{quote(f.column)}" for f in fields)
+        )
+        _claim_sql[remote] = (
+            sql,
+            [(f.attname, f.get_db_converters(connection), f) for f in fields],
+        )
+    sql, columns = _claim_sql[remote]
+    params = [
+        worker,
+        float(_conf("LEASE_TTL")),
+        Run.Status.RUNNING.value,
+        Run.Status.RUNNING.value,
+        run_id,
+        *[status.value for status in Run.RUNNABLE],
+        Run.Status.WAITING_EVENT.value,
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    old_status, db_time, *values = row
+    for index, (_attname, converters, model_field) in enumerate(columns):
+        for converter in converters:
+            values[index] = converter(values[index], model_field, connection)
+    run = Run.from_db(connection.alias, [attname for attname, _c, _f in columns], values)
+    return run, old_status == Run.Status.RUNNING, db_time
 
 
 # --- the loop --------------------------------------------------------------------------------
@@ -631,38 +712,36 @@ def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tr
             lease, seq, tool, arguments, masked, fingerprint, sibling, execute=execute
         )
 
+    step = Step(
+        run_id=run.id,
+        seq=seq,
+        kind=Step.Kind.TOOL_CALL,
+        input={"tool": tool.name, "arguments": masked},
+        incarnation=lease.fence,
+    )
+    call = ToolCall(
+        run_id=run.id,
+        tool_name=tool.name,
+        tool_version=tool.version,
+        effect=str(tool.effect),
+        arguments=arguments,
+        arguments_masked=masked,
+        arguments_digest=digest(arguments),
+        idempotency_key=idempotency_key,
+        precondition_fingerprint=fingerprint,
+    )
+    if (
+        execute
+        and not revoked
+        and not needs_approval
+        and tool.effect == Effect.READ
+        and lease.decision_usage is None
+        and tool.timeout <= _conf("LEASE_TTL") / 2
+    ):
+        return _read_in_one_commit(lease, step, call, tool)
+
     with lease.checkpoint() as cp:
-        step = fastsql.create(
-            Step,
-            run_id=run.id,
-            seq=seq,
-            kind=Step.Kind.TOOL_CALL,
-            input={"tool": tool.name, "arguments": masked},
-            incarnation=lease.fence,
-        )
-        call = ToolCall(
-            step=step,
-            run_id=run.id,
-            tool_name=tool.name,
-            tool_version=tool.version,
-            effect=str(tool.effect),
-            arguments=arguments,
-            arguments_masked=masked,
-            arguments_digest=digest(arguments),
-            idempotency_key=idempotency_key,
-            precondition_fingerprint=fingerprint,
-        )
-        cp.event(
-            "step.decided",
-            seq=seq,
-            kind=step.kind,
-            tool=tool.name,
-            tool_version=tool.version,
-            arguments=masked,
-            idempotency_key=call.idempotency_key,
-        )
-        cp.update(steps_used=F("steps_used") + 1)
-        cp.boundary("decided")
+        _record_decided(cp, lease, step, call)
         if revoked:
             # the decision is kept (the agent is not asked again); it is dispatched, or sent
             # for approval, when the run is resumed with a principal allowed to use the tool
@@ -688,6 +767,75 @@ def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tr
     if not execute:
         return Outcome.CONTINUE
     return _execute(lease, step, call, tool)
+
+
+def _record_decided(cp: Checkpoint, lease: Lease, step: Step, call: ToolCall) -> None:
+    """``decided`` for a tool call: its step (inserted here) and the call's events. The call
+    itself is inserted by the caller once its status is known."""
+    fastsql.insert(step)
+    call.step = step
+    cp.event(
+        "step.decided",
+        seq=step.seq,
+        kind=step.kind,
+        tool=call.tool_name,
+        tool_version=call.tool_version,
+        arguments=call.arguments_masked,
+        idempotency_key=call.idempotency_key,
+    )
+    cp.update(steps_used=F("steps_used") + 1)
+    cp.boundary("decided")
+
+
+def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
+    """A ``read`` call whose decision cost nothing (no model tokens): called first, then
+    ``decided`` + ``dispatching`` + ``receipt_recorded`` + ``step_completed`` in ONE commit.
+
+    A read has no side effect, so nothing happens outside between the decision and the
+    outcome that a record of the decision alone would protect: a crash before the commit
+    loses a free decision and a read, and the next incarnation simply makes both again
+    (docs/recovery.md). This is the guarantee of a DBOS step, at one commit per step. A
+    decision that cost tokens is recorded before the call (the two-commit path), so that
+    it is never paid for twice; so is a slow read (one that may outlast half a lease)."""
+    dispatched_at = lease.now()
+    ok, result, error = _call_tool(lease, call, tool, attempt=1)
+    if ok is None:
+        # the read raised something unexpected: record the decision and the dispatch as the
+        # two-commit path would have, then handle the unknown outcome the ordinary way
+        with lease.checkpoint() as cp:
+            _record_decided(cp, lease, step, call)
+            _mark_dispatching(cp, call, lease)
+            fastsql.insert(call)
+        lease.run.steps_used += 1
+        lease.steps.append(step)
+        _mark_unknown(lease, call, error)
+        return _reconcile(lease, step, call, tool)
+    output = result.result if result else None
+    with lease.checkpoint() as cp:
+        step.status = Step.Status.COMPLETED if ok else Step.Status.FAILED
+        step.output = output
+        step.error = error
+        step.completed_at = timezone.now()
+        _record_decided(cp, lease, step, call)
+        _mark_dispatching(cp, call, lease)
+        call.dispatched_at = dispatched_at
+        call.status = ToolCall.Status.SUCCEEDED if ok else ToolCall.Status.FAILED
+        fastsql.insert(call)
+        transitions.record_receipt(
+            cp,
+            call,
+            ok=ok,
+            result=output if ok else {"error": error},
+            external_ref=result.external_ref if result else "",
+            source=ToolReceipt.Source.TOOL,
+            recorded_by=lease.actor,
+            incarnation=lease.fence,
+            call_written=True,
+        )
+        transitions.apply_to_state(cp, run=lease.run, agent=lease.agent, step=step)
+    lease.run.steps_used += 1
+    lease.steps.append(step)
+    return Outcome.CONTINUE
 
 
 def _decide_wait(lease: Lease, action: WaitForSignal | Sleep | AskQuestion, seq: int) -> str:
@@ -1137,11 +1285,14 @@ class _LeaseKeeper:
             connection.close()
 
 
-def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
+def _call_tool(
+    lease: Lease, call: ToolCall, tool: Tool, *, attempt: int
+) -> tuple[bool | None, ToolResult | None, str]:
+    """The external call: (ok, result, error); ok is None when the outcome is unknown."""
     ctx = ToolContext(
         run_id=str(lease.run.id),
         idempotency_key=call.idempotency_key,
-        attempt=call.attempt_count,
+        attempt=attempt,
         timeout=tool.timeout,
     )
     from runs import faults
@@ -1149,8 +1300,8 @@ def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
     ok: bool | None
     result: ToolResult | None = None
     error = ""
-    # The dispatching commit just renewed the lease for a full TTL; only a call that may
-    # outlast half of it needs a renewal thread.
+    # The last commit renewed the lease for a full TTL; only a call that may outlast half
+    # of it needs a renewal thread.
     keeper = _LeaseKeeper(lease) if tool.timeout > _conf("LEASE_TTL") / 2 else nullcontext()
     with keeper:
         try:
@@ -1164,7 +1315,11 @@ def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
             # Unexpected: we cannot tell whether the side effect happened.
             ok, error = None, _describe(exc)
     faults.crash_point("tool_call")
+    return ok, result, error
 
+
+def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
+    ok, result, error = _call_tool(lease, call, tool, attempt=call.attempt_count)
     if ok is None:
         _mark_unknown(lease, call, error)
         return _reconcile(lease, step, call, tool)

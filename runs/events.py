@@ -26,7 +26,7 @@ from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import faults, metrics, tracing
+from runs import fastsql, faults, metrics, tracing
 from runs.models import Run, RunEvent
 
 
@@ -179,12 +179,14 @@ def _insert_events(events: list[RunEvent]) -> None:
         _sql_cache["events"] = (
             f"INSERT INTO {connection.ops.quote_name(RunEvent._meta.db_table)} ({columns}) VALUES ",
             "(" + ", ".join(["%s"] * len(fields)) + ")",
-            fields,
+            fastsql.plan(fields),
         )
     head, row, fields = _sql_cache["events"]
     params: list[Any] = []
     for event in events:
-        params += [f.get_db_prep_save(getattr(event, f.attname), connection) for f in fields]
+        # created_at is set by _write (an auto_now_add field stamped here would differ from
+        # the time the hash covers): insert as an update would, not stamping it again
+        params += fastsql.row_values(event, fields, False)
     pk = connection.ops.quote_name(RunEvent._meta.pk.column)
     with connection.cursor() as cursor:
         cursor.execute(f"{head}{', '.join([row] * len(events))} RETURNING {pk}", params)
@@ -199,19 +201,17 @@ def _insert_events(events: list[RunEvent]) -> None:
 def _update_run(run_id: Any, fence: int | None, updates: dict[str, Any]) -> int | None:
     """The checkpoint's one UPDATE of the run, as SQL written here for the values a
     checkpoint carries (plain values, ``Now()``, ``F(field) +/- value``, the lease expiry);
-    None for anything else, which then goes through the ORM."""
+    None for anything else, which then goes through the ORM. The SQL is cached per shape
+    (which fields, and how each is set): a run's checkpoints come in a handful of shapes."""
     if not _raw_sql_ok():
         return None
-    quote = connection.ops.quote_name
-    assignments, params = [], []
+    shape, params = [], []
     for name, value in updates.items():
-        field = Run._meta.get_field(name)
-        column = quote(field.column)
         if isinstance(value, ExpressionWrapper) and getattr(value, "lease_ttl", None) is not None:
-            assignments.append(f"{column} = STATEMENT_TIMESTAMP() + make_interval(secs => %s)")
+            shape.append((name, "lease", None))
             params.append(value.lease_ttl)
         elif isinstance(value, Now):
-            assignments.append(f"{column} = STATEMENT_TIMESTAMP()")
+            shape.append((name, "now", None))
         elif (
             isinstance(value, CombinedExpression)
             and value.connector in ("+", "-")
@@ -219,24 +219,53 @@ def _update_run(run_id: Any, fence: int | None, updates: dict[str, Any]) -> int 
             and isinstance(value.rhs, Value)
             and isinstance(value.rhs.value, int)
         ):
-            source = quote(Run._meta.get_field(value.lhs.name).column)
-            assignments.append(f"{column} = {source} {value.connector} %s")
+            shape.append((name, value.connector, value.lhs.name))
             params.append(value.rhs.value)
         elif hasattr(value, "resolve_expression"):
             return None
         else:
-            assignments.append(f"{column} = %s")
-            params.append(field.get_db_prep_save(value, connection))
-    where = f"{quote('id')} = %s"
+            shape.append((name, "value", None))
+            params.append(value)
+    key = ("update", fence is not None, tuple(shape))
+    if key not in _sql_cache:
+        quote = connection.ops.quote_name
+        assignments, fields = [], []
+        for name, kind, source in shape:
+            field = Run._meta.get_field(name)
+            column = quote(field.column)
+            if kind == "lease":
+                assignments.append(f"{column} = STATEMENT_TIMESTAMP() + make_interval(secs => %s)")
+            elif kind == "now":
+                assignments.append(f"{column} = STATEMENT_TIMESTAMP()")
+            elif kind in ("+", "-"):
+                assignments.append(
+                    f"{column} = {quote(Run._meta.get_field(source).column)} {kind} %s"
+                )
+            else:
+                assignments.append(f"{column} = %s")
+            if kind == "value":
+                fields.append(field)
+        where = f"{quote('id')} = %s"
+        if fence is not None:
+            where += f" AND {quote('fence')} = %s"
+        _sql_cache[key] = (
+            f"UPDATE {quote(Run._meta.db_table)} SET {', '.join(assignments)} WHERE {where}",
+            fields,
+        )
+    sql, fields = _sql_cache[key]
+    # plain values through their fields (JSON, decimals), in the order they were collected
+    prepared = iter(fields)
+    params = [
+        next(prepared).get_db_prep_save(value, connection) if kind == "value" else value
+        for (_name, kind, _source), value in zip(
+            [item for item in shape if item[1] != "now"], params, strict=True
+        )
+    ]
     params.append(run_id)
     if fence is not None:
-        where += f" AND {quote('fence')} = %s"
         params.append(fence)
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"UPDATE {quote(Run._meta.db_table)} SET {', '.join(assignments)} WHERE {where}",
-            params,
-        )
+        cursor.execute(sql, params)
         return cursor.rowcount
 
 
@@ -248,12 +277,15 @@ def checkpoint(
     channel: str,
     fence: int | None = None,
     renew_lease: bool = True,
+    locked: Run | None = None,
 ) -> Iterator[Checkpoint]:
     """Lock the run and append events atomically. With ``fence`` the caller must hold the
-    lease: any mismatch raises ``LeaseLost`` and nothing is written."""
+    lease: any mismatch raises ``LeaseLost`` and nothing is written. ``locked``: the run
+    as the caller read it after locking its row in the transaction this joins (the claim's
+    UPDATE): it is not locked and read again."""
     started = time.perf_counter()
     with transaction.atomic(savepoint=False):
-        run = _lock(run_id, fence)
+        run = locked if locked is not None else _lock(run_id, fence)
         if run is None:
             if fence is not None and Run.objects.filter(id=run_id).exists():
                 raise LeaseLost(f"run {run_id}: fence {fence} is stale")

@@ -16,12 +16,60 @@ from __future__ import annotations
 
 from typing import Any, TypeVar
 
-from django.db import DatabaseError, connection, models
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections, models
 from django.db.models.fields import AutoFieldMixin
 
 M = TypeVar("M", bound=models.Model)
 
-_insert_sql: dict[type, tuple[str, list[models.Field], bool]] = {}
+_insert_sql: dict[type, tuple[str, list[tuple[str, int, models.Field]], bool]] = {}
+
+# How a field's value reaches psycopg. Preparing every value through the field costs more
+# than the rest of an insert (profiled): for the types below, PostgreSQL's backend passes the
+# Python value through unchanged (strings, numbers, booleans, aware datetimes), so only
+# ``auto_now`` stamps and the other types (JSON, UUID, decimals) go through the field.
+_AS_IS, _STAMP, _PREPARE = 0, 1, 2
+_AS_IS_TYPES = {
+    models.AutoField,
+    models.BigAutoField,
+    models.BigIntegerField,
+    models.BooleanField,
+    models.CharField,
+    models.IntegerField,
+    models.PositiveIntegerField,
+    models.PositiveSmallIntegerField,
+    models.SmallIntegerField,
+    models.TextField,
+    models.DateTimeField,
+}
+
+
+def _mode(field: models.Field) -> int:
+    target = field.target_field if field.is_relation else field
+    if type(target) not in _AS_IS_TYPES:
+        return _PREPARE
+    if getattr(field, "auto_now", False) or getattr(field, "auto_now_add", False):
+        return _STAMP
+    return _AS_IS
+
+
+def plan(fields: list[models.Field]) -> list[tuple[str, int, models.Field]]:
+    """Per field: its attribute name, how its value is prepared, the field."""
+    return [(f.attname, _mode(f), f) for f in fields]
+
+
+def row_values(obj: models.Model, fields: list[tuple[str, int, models.Field]], add: bool) -> list:
+    """The fields' values of ``obj`` ready for the cursor, as ``save()`` would send them
+    (``add``: as for an insert, which ``auto_now_add`` stamps)."""
+    conn = connections[DEFAULT_DB_ALIAS]
+    out = []
+    for attname, mode, field in fields:
+        if mode == _AS_IS:
+            out.append(getattr(obj, attname))
+        elif mode == _STAMP:
+            out.append(field.pre_save(obj, add))
+        else:
+            out.append(field.get_db_prep_save(field.pre_save(obj, add), conn))
+    return out
 
 
 def _fast() -> bool:
@@ -46,9 +94,9 @@ def insert(obj: M) -> M:
         )
         if auto_pk:
             sql += f" RETURNING {quote(meta.pk.column)}"
-        _insert_sql[model] = (sql, fields, auto_pk)
+        _insert_sql[model] = (sql, plan(fields), auto_pk)
     sql, fields, auto_pk = _insert_sql[model]
-    params = [f.get_db_prep_save(f.pre_save(obj, True), connection) for f in fields]
+    params = row_values(obj, fields, True)
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         if auto_pk:

@@ -18,6 +18,12 @@ Workers never claim remote runs (``engine._kind_filter``); when a remote lease e
 sweeper hook ``remote_leases_expire`` puts the run back to ``queued`` ("waiting for an agent
 process") with a ``run.lease_expired`` event (and webhook). The next process to claim the
 lease gets a resume packet in which a call left ``dispatching`` is ``unknown``.
+
+Durable waits (``remote_wait_begin``) park the run through the engine's ``_decide_wait``.
+Since no worker claims the run to end its wait, whatever ends it does, in its own commit
+(``remote_wait_end``: a signal or an answer from ``runs.waits``, the timer or the timeout
+from the sweep hook ``remote_waits_end_due``), and the run is queued for an agent process
+with the ``run.wait_ended`` webhook.
 """
 
 from __future__ import annotations
@@ -39,22 +45,27 @@ from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import engine
+from runs import engine, waits
 from runs.actors import Actor, PermissionDenied
 from runs.dbtime import db_now
-from runs.events import LeaseLost, RunNotFound, checkpoint
-from runs.models import AgentManifest, Run, Step, ToolCall, ToolReceipt
+from runs.events import Checkpoint, LeaseLost, RunNotFound, checkpoint
+from runs.models import AgentManifest, Question, Run, Signal, Step, ToolCall, ToolReceipt
 from runs.registry import (
     Agent,
     ApprovalPolicy,
+    AskQuestion,
     CallTool,
     Effect,
     OnExpiry,
     Reconciliation,
+    Sleep,
     Tool,
     ToolContext,
     ToolResult,
+    UnknownAgent,
     UnknownTool,
+    WaitForSignal,
+    digest,
     registry,
 )
 from runs.services import BudgetExhausted, InvalidInput, InvalidState
@@ -213,6 +224,7 @@ def install() -> None:
 
     registry.set_remote_resolvers(agent=_resolve_agent, tool=_resolve_tool)
     register_sweep_hook(remote_leases_expire)
+    register_sweep_hook(remote_waits_end_due)
 
 
 def is_remote(agent_name: str) -> bool:
@@ -454,8 +466,10 @@ class RemoteLease(engine.Lease):
         return self.worker
 
     @contextmanager
-    def checkpoint(self):
-        with checkpoint(self.run.id, actor=self.actor, channel="api", fence=self.fence) as cp:
+    def checkpoint(self, *, locked: Run | None = None):
+        with checkpoint(
+            self.run.id, actor=self.actor, channel="api", fence=self.fence, locked=locked
+        ) as cp:
             if cp.run.status != Run.Status.RUNNING:
                 raise LeaseLost(
                     f"run {self.run.id} is {cp.run.status}: this lease was released; claim it again"
@@ -531,7 +545,12 @@ def _settle_open_step(lease: RemoteLease) -> None:
     incarnation becomes ``unknown`` (never silently dispatched again); a rejected or
     cancelled one fails its step; a receipt recorded without its step completing completes
     it; a retired or changed tool follows the engine's rules. An ``unsafe`` unknown outcome
-    goes to a person."""
+    goes to a person. An open wait (claimed because its timer or timeout fell due before the
+    sweeper ended it) ends here as the engine's ``_continue_wait`` ends it, or parks again."""
+    step = lease.open_step()
+    if step is not None and step.kind == Step.Kind.WAIT:
+        engine._continue_wait(lease, step)
+        return
     found = _open_step_call(lease)
     if found is None:
         return
@@ -624,6 +643,11 @@ def remote_lease_acquire(*, run_id: Any, actor: Actor, owner: str = "") -> Lease
                 else:
                     _settle_open_step(lease)
     run = Run.objects.get(id=run_id)
+    if run.status == Run.Status.WAITING_EVENT:
+        raise InvalidState(
+            "the run is waiting_event: nothing has ended its wait yet (the run.wait_ended "
+            "webhook says when something does)"
+        )
     if run.status != Run.Status.RUNNING or run.fence != lease.fence:
         raise InvalidState(
             f"the run is {run.status} ({run.reason_code}): {run.reason_detail}".strip(": ")
@@ -662,10 +686,57 @@ def _call_data(run: Run, call: ToolCall) -> dict[str, Any]:
     }
 
 
+def wait_outcomes(steps: list[Step]) -> dict[int, dict[str, Any]]:
+    """How each finished wait among ``steps`` ended (by step id), read from the record: the
+    signal it consumed, its question's answer, its timer, or its timeout (the output is then
+    the wait's declared default). Two queries, whatever the number of waits."""
+    finished = {
+        step.id: step
+        for step in steps
+        if step.kind == Step.Kind.WAIT and step.status == Step.Status.COMPLETED
+    }
+    if not finished:
+        return {}
+    signals = {
+        signal.consumed_by_step_id: signal
+        for signal in Signal.objects.filter(consumed_by_step_id__in=finished)
+    }
+    questions = {
+        question.step_id: question
+        for question in Question.objects.filter(step_id__in=finished).select_related("answered_by")
+    }
+    outcomes = {}
+    for step_id, step in finished.items():
+        kind = step.input.get("wait")
+        signal, question = signals.get(step_id), questions.get(step_id)
+        outcome: dict[str, Any] = {
+            "kind": kind,
+            "ended_by": "timeout",
+            "timed_out": True,
+            "signal_id": None,
+            "question_id": question.id if question is not None else None,
+            "answered_by": None,
+        }
+        if signal is not None:
+            outcome.update(ended_by="signal", timed_out=False, signal_id=signal.id)
+        elif question is not None and question.status == Question.Status.ANSWERED:
+            outcome.update(
+                ended_by="answer",
+                timed_out=False,
+                answered_by=question.answered_by.get_username() if question.answered_by else None,
+            )
+        elif kind == "timer":
+            outcome.update(ended_by="timer", timed_out=False)
+        outcomes[step_id] = outcome
+    return outcomes
+
+
 def resume_packet(run: Run) -> dict[str, Any]:
-    """What a process needs to continue a run: state, completed steps, open tool calls with
-    their status, unknown outcomes to reconcile, approvals still pending."""
+    """What a process needs to continue a run: state, completed steps (a wait with how it
+    ended), open tool calls with their status, unknown outcomes to reconcile, approvals
+    still pending."""
     steps = list(Step.objects.filter(run_id=run.id).order_by("seq"))
+    ended_waits = wait_outcomes(steps)
     calls = list(
         ToolCall.objects.filter(run_id=run.id, status__in=ToolCall.OPEN)
         .select_related("step")
@@ -690,6 +761,7 @@ def resume_packet(run: Run) -> dict[str, Any]:
                 "input": step.input,
                 "output": step.output,
                 "error": step.error,
+                "wait": ended_waits.get(step.id),
             }
             for step in steps
             if step.status != Step.Status.PENDING
@@ -723,6 +795,28 @@ def remote_lease_release(*, run_id: Any, fence: int, actor: Actor) -> Run:
     return Run.objects.get(id=run_id)
 
 
+def _replayed_step(
+    run_id: Any, fence: int, seq: int, kind: str, same: Callable[[Step], bool]
+) -> Step | None:
+    """A retried request whose first commit went through but whose answer was lost: the
+    step this incarnation already recorded at ``seq``, if it is the same decision."""
+    step = Step.objects.filter(run_id=run_id, seq=seq, incarnation=fence, kind=kind).first()
+    return step if step is not None and same(step) else None
+
+
+def _next_seq(lease: RemoteLease, expected: int | None) -> int:
+    seq = (lease.steps[-1].seq + 1) if lease.steps else 1
+    if expected is not None and expected != seq:
+        raise InvalidState(f"the run's next step is {seq}, not {expected}")
+    return seq
+
+
+@dataclass(frozen=True)
+class StepRecorded:
+    step: Step
+    replayed: bool  # a retried request: the step its first attempt recorded
+
+
 def remote_step_record(
     *,
     run_id: Any,
@@ -733,22 +827,43 @@ def remote_step_record(
     state: Any = None,
     cost: Any = 0,
     tokens: int = 0,
-) -> Step:
+    seq: int | None = None,
+) -> StepRecorded:
     """``decided`` + ``step_completed`` for the process's own work (a model call, a plan):
-    the step, its usage and the new state in one commit, so a successor resumes after it."""
+    the step, its usage and the new state in one commit, so a successor resumes after it.
+
+    ``seq`` (optional) is the step number the process expects: a retry of a request that
+    was recorded (same fence, seq, input and output) returns that step and records nothing;
+    any other ``seq`` than the next one is ``InvalidState``. Without it every request is a
+    new step (two identical decisions in a row may be meant)."""
+    input = input if input is not None else {}
+    if seq is not None:
+        actor.require("runs.operate_run")
+        _require_remote(run_id)
+        replayed = _replayed_step(
+            run_id,
+            fence,
+            seq,
+            DECISION,
+            lambda step: (
+                digest(step.input) == digest(input) and digest(step.output) == digest(output)
+            ),
+        )
+        if replayed is not None:
+            return StepRecorded(replayed, True)
     lease = _held(run_id, fence, actor)
     _honour_request(lease)
     if lease.open_step() is not None:
         raise InvalidState("a tool call step is still open: record its receipt first")
+    seq = _next_seq(lease, seq)
     _check_budget(lease)
-    seq = (lease.steps[-1].seq + 1) if lease.steps else 1
     with lease.checkpoint() as cp:
         step = Step.objects.create(
             run_id=run_id,
             seq=seq,
             kind=DECISION,
             status=Step.Status.COMPLETED,
-            input=input if input is not None else {},
+            input=input,
             output=output,
             incarnation=fence,
             cost=cost or 0,
@@ -766,16 +881,71 @@ def remote_step_record(
         cp.update(**updates)
         cp.boundary("decided")
         cp.boundary("step_completed")
-    return step
+    return StepRecorded(step, False)
 
 
 @dataclass(frozen=True)
 class Proposal:
-    decision: str  # approved | awaiting_approval | refused | paused
+    decision: str  # approved | awaiting_approval | refused | paused | unknown | succeeded
     step: Step
     call: ToolCall | None
     approval_id: int | None
     error: str
+    replayed: bool = False  # a retried request: the call its first attempt proposed
+
+
+def _proposal(run_id: Any, step: Step, call: ToolCall | None, *, replayed: bool) -> Proposal:
+    """What the tool's policy decided for this call, read from the record."""
+    if call is None:
+        return Proposal("refused", step, None, None, step.error, replayed)
+    if call.status == ToolCall.Status.AWAITING_APPROVAL:
+        approval = call.approvals.filter(status="pending").order_by("-id").first()
+        approval_id = approval.id if approval else None
+        return Proposal("awaiting_approval", step, call, approval_id, "", replayed)
+    if Run.objects.filter(id=run_id, status=Run.Status.PAUSED).exists():
+        return Proposal("paused", step, call, None, "the principal may not use this tool", replayed)
+    if call.status == ToolCall.Status.UNKNOWN:
+        # a fork's family already dispatched this key: reconcile it, never send it blindly
+        return Proposal("unknown", step, call, None, call.last_error, replayed)
+    if call.status == ToolCall.Status.SUCCEEDED:
+        return Proposal("succeeded", step, call, None, "", replayed)
+    return Proposal("approved", step, call, None, "", replayed)
+
+
+# Where a propose itself leaves a run when it releases the lease: waiting for the approval,
+# or paused because the principal may not use the tool.
+_PARKED_BY_PROPOSE = (Run.Status.WAITING_APPROVAL, Run.Status.PAUSED)
+
+
+def _replayed_proposal(
+    run_id: Any, fence: int, tool: str, arguments: Any, *, statuses: tuple[str, ...]
+) -> Proposal | None:
+    """A retried propose (same fence, tool and arguments) whose first attempt's answer was
+    lost: that attempt's call, still open and never dispatched, is the run's last step."""
+    run = (
+        Run.objects.filter(id=run_id, fence=fence, status__in=statuses)
+        .only("id", "agent_name")
+        .first()
+    )
+    if run is None:
+        return None
+    step = Step.objects.filter(run_id=run_id).order_by("-seq").first()
+    if (
+        step is None
+        or step.kind != Step.Kind.TOOL_CALL
+        or step.status != Step.Status.PENDING
+        or step.incarnation != fence
+    ):
+        return None
+    call = ToolCall.objects.select_related("step").filter(step=step).first()
+    if (
+        call is None
+        or call.attempt_count
+        or call.tool_name != f"{run.agent_name}{SEP}{tool}"
+        or call.arguments_digest != digest(arguments)
+    ):
+        return None
+    return _proposal(run_id, step, call, replayed=True)
 
 
 def remote_toolcall_propose(
@@ -790,13 +960,31 @@ def remote_toolcall_propose(
     """``decided``: the call is recorded as a step with its idempotency key, and the tool's
     policy decides — ``approved`` (dispatch it), ``awaiting_approval`` (the lease is released
     until a person decides; the approval.decided webhook says when), or ``refused`` (not the
-    agent's tool, or arguments that break the schema: a failed step the agent sees)."""
-    lease = _held(run_id, fence, actor)
+    agent's tool, or arguments that break the schema: a failed step the agent sees).
+
+    A retry by the same incarnation of a propose that was recorded (same tool and arguments,
+    the call still open and not dispatched) gets the same proposal (``replayed``), also when
+    the first attempt released the lease to wait for an approval. Another call while one is
+    open is ``InvalidState``."""
+    if not isinstance(arguments, dict):
+        raise InvalidInput("arguments must be a JSON object")
+    try:
+        lease = _held(run_id, fence, actor)
+    except LeaseLost:
+        # the first attempt may have released the lease itself (an approval is needed)
+        replayed = _replayed_proposal(run_id, fence, tool, arguments, statuses=_PARKED_BY_PROPOSE)
+        if replayed is None:
+            raise
+        return replayed
+    if lease.open_step() is not None:
+        replayed = _replayed_proposal(
+            run_id, fence, tool, arguments, statuses=(Run.Status.RUNNING,)
+        )
+        if replayed is not None:
+            return replayed
     _honour_request(lease)
     if lease.open_step() is not None:
         raise InvalidState("a tool call is still open: record its receipt before the next one")
-    if not isinstance(arguments, dict):
-        raise InvalidInput("arguments must be a JSON object")
     _check_budget(lease)
     seq = (lease.steps[-1].seq + 1) if lease.steps else 1
     token = _reported_fingerprint.set(precondition or "")
@@ -808,21 +996,7 @@ def remote_toolcall_propose(
         _reported_fingerprint.reset(token)
     step = lease.steps[-1]
     call = ToolCall.objects.select_related("step").filter(step=step).first()
-    if call is None:
-        return Proposal("refused", step, None, None, step.error)
-    approval_id = None
-    if call.status == ToolCall.Status.AWAITING_APPROVAL:
-        approval = call.approvals.filter(status="pending").order_by("-id").first()
-        approval_id = approval.id if approval else None
-        return Proposal("awaiting_approval", step, call, approval_id, "")
-    if Run.objects.filter(id=run_id, status=Run.Status.PAUSED).exists():
-        return Proposal("paused", step, call, None, "the principal may not use this tool")
-    if call.status == ToolCall.Status.UNKNOWN:
-        # a fork's family already dispatched this key: reconcile it, never send it blindly
-        return Proposal("unknown", step, call, None, call.last_error)
-    if call.status == ToolCall.Status.SUCCEEDED:
-        return Proposal("succeeded", step, call, None, "")
-    return Proposal("approved", step, call, None, "")
+    return _proposal(run_id, step, call, replayed=False)
 
 
 @dataclass(frozen=True)
@@ -1016,6 +1190,136 @@ def remote_run_finish(
     else:
         engine._finish(lease, status, reason=Run.Reason.AGENT_FAILED, detail=reason, seq=seq)
     return Run.objects.get(id=run_id)
+
+
+# --- waits (docs/waits.md, docs/remote-agents.md) ------------------------------------------------
+
+WAIT_KINDS = ("signal", "timer", "question")
+
+
+@dataclass(frozen=True)
+class WaitBegun:
+    step: Step
+    waiting: bool  # parked: the lease is released until something ends the wait
+    question_id: int | None
+    outcome: dict[str, Any] | None  # how it ended, when it ended at once (else None)
+    replayed: bool = False  # a retried request: the wait its first attempt began
+
+
+def _wait_begun(step: Step, *, replayed: bool) -> WaitBegun:
+    question_id = (
+        Question.objects.filter(step=step).values_list("id", flat=True).first()
+        if step.input.get("wait") == "question"
+        else None
+    )
+    return WaitBegun(
+        step=step,
+        waiting=step.status == Step.Status.PENDING,
+        question_id=question_id,
+        outcome=wait_outcomes([step]).get(step.id),
+        replayed=replayed,
+    )
+
+
+def _same_wait(step: Step, action: WaitForSignal | Sleep | AskQuestion) -> bool:
+    # deadlines are computed from the clock at the time of the request: not compared
+    spec, _wake_at = waits.spec(action, timezone.now())
+    volatile = ("deadline", "until")
+    return {k: v for k, v in step.input.items() if k not in volatile} == {
+        k: v for k, v in spec.items() if k not in volatile
+    }
+
+
+def remote_wait_begin(
+    *,
+    run_id: Any,
+    fence: int,
+    actor: Actor,
+    action: WaitForSignal | Sleep | AskQuestion,
+    seq: int | None = None,
+) -> WaitBegun:
+    """A remote agent's durable wait, through the engine's own ``_decide_wait``: the wait
+    step (``decided``), its question (emailed after the commit), and — unless the wait can
+    end at once — ``run.waiting`` with the run parked in ``waiting_event``, ``wake_at`` set
+    and the lease released, all in one commit. A signal that arrived before the wait began,
+    or a time already come, ends it in that same commit: the lease is then still the
+    process's and ``outcome`` says how it ended.
+
+    An invalid wait is ``InvalidInput`` and writes nothing (a hosted agent gets a failed
+    step instead: a process can correct its request). ``seq`` (optional) makes a retry safe
+    as for steps: the same wait at that seq by this incarnation is returned as it stands."""
+    if not isinstance(action, WaitForSignal | Sleep | AskQuestion):
+        raise InvalidInput("a wait is a signal, a timer or a question")
+    if seq is not None:
+        actor.require("runs.operate_run")
+        _require_remote(run_id)
+        replayed = _replayed_step(
+            run_id, fence, seq, Step.Kind.WAIT, lambda step: _same_wait(step, action)
+        )
+        if replayed is not None:
+            return _wait_begun(replayed, replayed=True)
+    error = waits.validate(action)
+    if error:
+        raise InvalidInput(error)
+    lease = _held(run_id, fence, actor)
+    _honour_request(lease)
+    if lease.open_step() is not None:
+        raise InvalidState("a tool call is still open: record its receipt before waiting")
+    seq = _next_seq(lease, seq)
+    _check_budget(lease)
+    engine._decide_wait(lease, action, seq)
+    return _wait_begun(lease.steps[-1], replayed=False)
+
+
+def remote_wait_end(cp: Checkpoint, *, step: Step, agent: Agent) -> bool:
+    """End a remote run's wait inside ``cp`` (the run row locked, no lease held), if what
+    arrived or the clock allows it. No worker ever claims a remote run, so whatever ends its
+    wait ends it right there — a signal or an answer in the service's own commit
+    (``runs.waits``), the timer or the timeout in the sweeper's (``remote_waits_end_due``) —
+    exactly as the engine ends a hosted run's wait at claim (``waits.end_wait_if_due``):
+    the step completes with its outcome, a signal is consumed in the same commit, and
+    ``run.wait_ended`` or ``run.wait_timed_out`` is recorded (its webhook, ``run.wait_ended``,
+    wakes a process that exited). The run is then ``queued``, waiting for an agent process,
+    whose next lease finds the finished wait in its resume packet."""
+    run = Run.objects.get(id=cp.run.id)
+    if not waits.end_wait_if_due(cp, run=run, agent=agent, step=step, now=db_now()):
+        return False
+    cp.update(
+        status=Run.Status.QUEUED,
+        wake_at=None,
+        enqueued_at=None,
+        reason_detail=WAITING_FOR_PROCESS,
+    )
+    return True
+
+
+def remote_waits_end_due(limit: int = 200) -> int:
+    """A sweep hook: remote runs whose timer or wait timeout fell due (``wake_at``, database
+    time) have their wait ended (``remote_wait_end``) — also timers that fell due while no
+    sweeper ran. Returns how many waits ended."""
+    due = list(
+        Run.objects.filter(
+            engine._kind_filter(remote=True),
+            status=Run.Status.WAITING_EVENT,
+            wake_at__lte=Now(),
+        ).values_list("id", "agent_name")[:limit]
+    )
+    ended = 0
+    for run_id, agent_name in due:
+        try:
+            agent = registry.agent(agent_name)
+        except UnknownAgent:
+            continue
+        with checkpoint(run_id, actor="system", channel="worker") as cp:
+            still = Run.objects.filter(
+                id=run_id, status=Run.Status.WAITING_EVENT, wake_at__lte=Now()
+            ).exists()
+            if not still:  # ended, claimed or terminated since we looked
+                continue
+            step = waits.open_wait_step(run_id)
+            if step is not None and remote_wait_end(cp, step=step, agent=agent):
+                ended += 1
+    return ended
 
 
 # --- expiry (a sweep hook) -----------------------------------------------------------------------

@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.conf import settings
-from django.db.models import Q
+from django.db import InterfaceError, OperationalError
+from django.db.models import Min, Q
 from django.db.models.functions import Now
+from django.utils import timezone
+from django_q.brokers import get_broker
+from django_q.brokers.orm import ORM
+from django_q.conf import Conf
+from django_q.models import OrmQ
 
 from runs.models import AgentManifest, Run
 from runs.queue import enqueue_run
@@ -30,9 +36,36 @@ def register_sweep_hook(hook: Callable[[], None]) -> None:
         _hooks.append(hook)
 
 
+# A wake-up is enqueued after the commit that stamps ``enqueued_at``: allow for that gap
+# (and for clock skew between the machines that write the two timestamps).
+_ENQUEUE_MARGIN = timedelta(seconds=5)
+
+
+def oldest_waiting_wakeup() -> datetime | None:
+    """When the oldest wake-up still waiting in the broker was enqueued (ORM broker only;
+    None when the line is empty or the broker cannot tell)."""
+    broker = get_broker()
+    if not isinstance(broker, ORM):
+        return None
+    return (
+        OrmQ.objects.using(Conf.ORM)
+        .filter(key=broker.list_key, lock__lte=timezone.now())
+        .aggregate(oldest=Min("lock"))["oldest"]
+    )
+
+
 def runnable_orphans(limit: int = 500) -> list:
-    """Claimable runs with a free or expired lease, due, and not enqueued recently."""
+    """Claimable runs with a free or expired lease, due, and not enqueued recently.
+
+    "Recently" is ``REQUEUE_AFTER`` ago, or earlier while the broker holds a backlog: a run
+    enqueued after the oldest wake-up still in line has its own wake-up behind it, and
+    enqueuing it again would only lengthen the line (under a burst of new runs every sweep
+    would add a duplicate of each, and the workers would spend their time on those)."""
     requeue_after = timedelta(seconds=settings.AGENTOPS["REQUEUE_AFTER"])
+    not_recent = Q(enqueued_at__isnull=True) | Q(enqueued_at__lt=Now() - requeue_after)
+    oldest = oldest_waiting_wakeup()
+    if oldest is not None:
+        not_recent &= Q(enqueued_at__isnull=True) | Q(enqueued_at__lt=oldest - _ENQUEUE_MARGIN)
     return list(
         # runnable, or waiting with a timer or timeout that fell due (also while no worker ran)
         Run.objects.filter(claimable())
@@ -41,7 +74,7 @@ def runnable_orphans(limit: int = 500) -> list:
         .exclude(agent_name__in=AgentManifest.objects.values("name"))
         .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now()))
         .filter(Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
-        .filter(Q(enqueued_at__isnull=True) | Q(enqueued_at__lt=Now() - requeue_after))
+        .filter(not_recent)
         .order_by("created_at")
         .values_list("id", flat=True)[:limit]
     )
@@ -52,6 +85,10 @@ def sweep() -> int:
     for hook in list(_hooks):
         try:
             hook()
+        except (OperationalError, InterfaceError):
+            # the connection is lost: every later hook would fail on it too, each with a
+            # traceback. The caller (runworker) reconnects and sweeps again.
+            raise
         except Exception:
             log.exception("sweep hook %s failed", getattr(hook, "__name__", hook))
     run_ids = runnable_orphans()

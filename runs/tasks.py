@@ -6,6 +6,7 @@ import os
 import socket
 import time
 
+from django.conf import settings
 from django.db.models.functions import Now
 
 from runs import engine, tracing
@@ -16,21 +17,34 @@ def current_worker_name() -> str:
     return os.environ.get("AGENTOPS_WORKER_NAME") or f"{socket.gethostname()}:{os.getpid()}"
 
 
+# when this task process last wrote its worker's ``last_task_at`` (monotonic clock)
+_stamped_at: float | None = None
+
+
+def _stamp_last_task(name: str, *, force: bool = False) -> None:
+    """Proof of life for the liveness check: this worker's cluster runs tasks. Written at
+    most every few seconds per task process (FROZEN_AFTER is far longer): a task of a short
+    run otherwise costs one more commit than its steps (docs/benchmarks.md)."""
+    global _stamped_at
+    now = time.monotonic()
+    every = min(5.0, settings.AGENTOPS["FROZEN_AFTER"] / 4)
+    if force or _stamped_at is None or now - _stamped_at >= every:
+        Worker.objects.filter(name=name).update(last_task_at=Now())
+        _stamped_at = now
+
+
 def advance_run(run_id: str) -> str:
     name = current_worker_name()
     # in the forked task process itself: an exporter's thread would not survive the fork
     tracing.configure_from_env_once()
-    # proof of life for the liveness check: this worker's cluster runs tasks
-    Worker.objects.filter(name=name).update(last_task_at=Now())
+    _stamp_last_task(name)
     started = time.monotonic()
     try:
         return engine.advance(run_id, worker=name)
     finally:
-        # and again at the end of a long slice: it was not idleness. After a short one the
-        # stamp above is still fresh (FROZEN_AFTER is far longer), and one write per task
-        # is saved on the hot path (docs/benchmarks.md).
+        # and again at the end of a long slice: it was not idleness
         if time.monotonic() - started > 1.0:
-            Worker.objects.filter(name=name).update(last_task_at=Now())
+            _stamp_last_task(name, force=True)
 
 
 def canary(origin: str) -> None:

@@ -38,8 +38,10 @@ def record_receipt(
     source: str,
     recorded_by: str,
     incarnation: int | None,
+    call_written: bool = False,
 ) -> ToolReceipt:
-    """``receipt_recorded``: the call's outcome, whoever learned it."""
+    """``receipt_recorded``: the call's outcome, whoever learned it. ``call_written``: the
+    caller inserts the call with its final status in this same commit (no UPDATE needed)."""
     receipt = fastsql.create(
         ToolReceipt,
         tool_call=call,
@@ -51,7 +53,8 @@ def record_receipt(
         incarnation=incarnation,
     )
     call.status = ToolCall.Status.SUCCEEDED if ok else ToolCall.Status.FAILED
-    fastsql.update(ToolCall, call.id, status=call.status, updated_at=timezone.now())
+    if not call_written:
+        fastsql.update(ToolCall, call.id, status=call.status, updated_at=timezone.now())
     cp.event(
         "tool.succeeded" if ok else "tool.failed",
         seq=call.step.seq,

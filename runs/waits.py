@@ -12,9 +12,11 @@ however long the wait. Everything that ends a wait is in the database:
   enqueues it, including timers that fell due while no worker ran.
 
 Services here (``run_signal``, ``question_answer``) lock the run like every other service
-(``checkpoint``) and make a waiting run runnable; they never end the wait themselves. The
-engine ends it (``end_wait_if_due``) in its own fenced commit, where the signal's consumption
-and the step's completion share one transaction: consumed exactly once, across crashes.
+(``checkpoint``) and make a waiting run runnable; they never end a hosted run's wait
+themselves. The engine ends it (``end_wait_if_due``) in its own fenced commit, where the
+signal's consumption and the step's completion share one transaction: consumed exactly once,
+across crashes. A remote agent's run has no worker to do that: its wait ends in the
+service's own commit, with the same function (``runs.remote.remote_wait_end``).
 """
 
 from __future__ import annotations
@@ -34,7 +36,15 @@ from runs.dbtime import db_now
 from runs.events import Checkpoint, checkpoint
 from runs.models import Question, QuestionLink, Run, Signal, Step
 from runs.queue import enqueue_on_commit
-from runs.registry import Agent, AskQuestion, Sleep, WaitForSignal, digest
+from runs.registry import (
+    Agent,
+    AskQuestion,
+    Sleep,
+    UnknownAgent,
+    WaitForSignal,
+    digest,
+    registry,
+)
 from runs.services import InvalidInput, InvalidState
 
 SIGNAL_NAME_MAX = 100
@@ -288,8 +298,22 @@ def open_wait_step(run_id: Any) -> Step | None:
     )
 
 
-def _wake(cp: Checkpoint) -> None:
-    """A waiting run becomes runnable at once: it never shows waiting after its wait can end."""
+def _wake(cp: Checkpoint, step: Step) -> None:
+    """A waiting run becomes runnable at once: it never shows waiting after its wait can end.
+
+    A remote agent's run is never claimed by a worker, so its wait ends here, in this commit,
+    the way the engine would end it (``runs.remote.remote_wait_end``): the run is then
+    queued for an agent process, and ``run.wait_ended`` (a webhook) tells the process."""
+    try:
+        agent = registry.agent(cp.run.agent_name)  # hosted agents: no query
+    except UnknownAgent:
+        agent = None
+    if agent is not None and getattr(agent, "kind", "") == "remote":
+        # runs.remote builds on this module and the engine: imported where it is used
+        from runs.remote import remote_wait_end
+
+        if remote_wait_end(cp, step=step, agent=agent):
+            return
     cp.update(status=Run.Status.QUEUED, wake_at=None, enqueued_at=Now())
     enqueue_on_commit(cp.run.id)
 
@@ -355,7 +379,7 @@ def run_signal(
             seq=step.seq if wakes else None,
         )
         if wakes:
-            _wake(cp)
+            _wake(cp, step)
     return signal
 
 
@@ -409,7 +433,7 @@ def question_answer(*, question_id: Any, answer: Any, actor: Actor) -> Question:
             answer=answer,
         )
         if cp.run.status == Run.Status.WAITING_EVENT:
-            _wake(cp)
+            _wake(cp, question.step)
     return question
 
 

@@ -5,6 +5,9 @@ Events (``X``: the run event that causes it):
 - ``approval.decided`` (``approval.decided``) — a person decided one of the run's approvals;
 - ``run.needs_attention`` (``run.needs_attention``) — the run waits for a person;
 - ``run.lease_expired`` (``run.lease_expired``) — a remote agent process stopped heartbeating;
+- ``run.wait_ended`` (``run.wait_ended``, ``run.wait_timed_out``) — a wait ended: a signal
+  arrived, a question was answered, a timer fired or the wait timed out (a remote agent's
+  run is then queued: lease it to continue);
 - ``run.finished`` (``run.succeeded``, ``run.failed``, ``run.terminated``).
 
 A token receives the events of runs whose principal is the token's principal. Each becomes a
@@ -55,11 +58,19 @@ EVENT_TYPES: dict[str, str] = {
     "approval.decided": "approval.decided",
     "run.needs_attention": "run.needs_attention",
     "run.lease_expired": "run.lease_expired",
+    "run.wait_ended": "run.wait_ended",
+    "run.wait_timed_out": "run.wait_ended",
     "run.succeeded": "run.finished",
     "run.failed": "run.finished",
     "run.terminated": "run.finished",
 }
-WEBHOOK_EVENTS = ("approval.decided", "run.needs_attention", "run.lease_expired", "run.finished")
+WEBHOOK_EVENTS = (
+    "approval.decided",
+    "run.needs_attention",
+    "run.lease_expired",
+    "run.wait_ended",
+    "run.finished",
+)
 
 # a claimed delivery is not picked up by another sweeper for this long (longer than a send)
 CLAIM_SECONDS = 60

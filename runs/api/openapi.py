@@ -7,6 +7,8 @@
   phase; humans read them in the Swagger UI.
 - ``additionalProperties: false`` on the manifest's request schemas: the server refuses
   unknown keys (a typo in a manifest must not be silently ignored), so the schema says so.
+- What the serializers check across fields and drf-spectacular cannot say: a timer wait takes
+  exactly one of ``until`` and ``seconds``; a question's choices are distinct.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ FENCED_RUN_ACTIONS = {
     "RecordStep": "v1_runs_steps_create",
     "ProposeToolCall": "v1_runs_tool_calls_create",
     "FinishRun": "v1_runs_finish_create",
+    "BeginWait": "v1_runs_waits_create",
 }
 
 # (path, method, status) -> {link name: link}
@@ -52,6 +55,13 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {
         for name, op in FENCED_RUN_ACTIONS.items()
     },
     ("/api/v1/runs/{run_id}/tool-calls/", "post", "201"): {
+        "DispatchToolCall": {
+            "operationId": "v1_tool_calls_dispatch_create",
+            "parameters": {"tool_call_id": "$response.body#/tool_call/id"},
+        },
+    },
+    # a retried propose gets the same call: it is dispatched the same way
+    ("/api/v1/runs/{run_id}/tool-calls/", "post", "200"): {
         "DispatchToolCall": {
             "operationId": "v1_tool_calls_dispatch_create",
             "parameters": {"tool_call_id": "$response.body#/tool_call/id"},
@@ -83,6 +93,13 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {
 
 CLOSED_SCHEMAS = ("ManifestInputRequest", "ManifestToolRequest", "ManifestApprovalRequest")
 
+# schema name -> keywords added to it (TimerWaitInputSerializer.validate,
+# QuestionWaitInputSerializer.validate_choices)
+CROSS_FIELD_RULES: dict[str, dict[str, Any]] = {
+    "TimerWaitInputRequest": {"oneOf": [{"required": ["until"]}, {"required": ["seconds"]}]},
+}
+UNIQUE_ITEMS = {"QuestionWaitInputRequest": ("choices",)}
+
 
 def add_links(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict:
     paths = result.get("paths", {})
@@ -94,6 +111,14 @@ def add_links(result: dict[str, Any], generator: Any, request: Any, public: bool
     for name in CLOSED_SCHEMAS:
         if name in schemas:
             schemas[name]["additionalProperties"] = False
+    for name, keywords in CROSS_FIELD_RULES.items():
+        if name in schemas:
+            schemas[name].update(keywords)
+    for name, fields in UNIQUE_ITEMS.items():
+        for field in fields:
+            prop = schemas.get(name, {}).get("properties", {}).get(field)
+            if prop is not None:
+                prop["uniqueItems"] = True
     for name, schema in schemas.items():
         if name.endswith("Request"):
             _no_null_characters(schema)
@@ -103,5 +128,10 @@ def add_links(result: dict[str, Any], generator: Any, request: Any, public: bool
 def _no_null_characters(schema: dict[str, Any]) -> None:
     """Text fields refuse U+0000 (PostgreSQL cannot store it): say so in the schema."""
     for prop in schema.get("properties", {}).values():
-        if prop.get("type") == "string" and not ({"pattern", "format", "enum"} & set(prop)):
-            prop["pattern"] = "^[^\\u0000]*$"
+        for text in (prop, prop.get("items") if prop.get("type") == "array" else None):
+            if (
+                isinstance(text, dict)
+                and text.get("type") == "string"
+                and not ({"pattern", "format", "enum"} & set(text))
+            ):
+                text["pattern"] = "^[^\\u0000]*$"

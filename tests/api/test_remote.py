@@ -240,7 +240,9 @@ def test_propose_refused_for_arguments_breaking_the_schema(run, leased):
 
 def test_one_open_call_at_a_time(run, leased):
     leased.propose("lookup", {})
-    assert_error(leased.propose("lookup", {}), 409, "invalid_state")
+    # another call (a retry of the same one gets that call: tests/api/test_remote_retries.py)
+    assert_error(leased.propose("notify", {}), 409, "invalid_state")
+    assert_error(leased.propose("lookup", {"other": 1}), 409, "invalid_state")
     assert_error(leased.run_post("steps", {}), 409, "invalid_state")
     assert_error(leased.run_post("finish", {}), 409, "invalid_state")
 

@@ -42,6 +42,7 @@ ENDPOINTS = {
     ("/api/v1/runs/{run_id}/lease/release/", "post"),
     ("/api/v1/runs/{run_id}/steps/", "post"),
     ("/api/v1/runs/{run_id}/tool-calls/", "post"),
+    ("/api/v1/runs/{run_id}/waits/", "post"),
     ("/api/v1/runs/{run_id}/finish/", "post"),
     ("/api/v1/tool-calls/{tool_call_id}/dispatch/", "post"),
     ("/api/v1/tool-calls/{tool_call_id}/receipt/", "post"),
@@ -129,6 +130,9 @@ DATA_DEPENDENT_400 = {
     "POST /api/v1/tool-calls/{tool_call_id}/resolution/": "validation_error",
     "POST /api/v1/runs/{run_id}/finish/": "validation_error",
     "POST /api/v1/runs/{run_id}/signals/": "validation_error",
+    # a question's group must exist and its default must be one of its choices; a wait's
+    # default is free-form JSON (U+0000 as above)
+    "POST /api/v1/runs/{run_id}/waits/": "validation_error",
 }
 POSITIVE_DEFAULT = ["2xx", "3xx", "401", "403", "404", "409", "429", "5xx"]
 
@@ -222,6 +226,25 @@ def test_schema_links_create_to_retrieve_and_act(openapi):
     assert leased["ProposeToolCall"]["requestBody"] == {"fence": "$response.body#/fence"}
     proposed = openapi["paths"]["/api/v1/runs/{run_id}/tool-calls/"]["post"]["responses"]["201"]
     assert proposed["links"]["DispatchToolCall"]["operationId"] == "v1_tool_calls_dispatch_create"
+    assert leased["BeginWait"] == {
+        "operationId": "v1_runs_waits_create",
+        "parameters": {"run_id": "$response.body#/run"},
+        "requestBody": {"fence": "$response.body#/fence"},
+    }
+
+
+def test_wait_request_is_one_of_three_kinds(openapi):
+    operation = openapi["paths"]["/api/v1/runs/{run_id}/waits/"]["post"]
+    assert {"200", "201", "400", "404", "409"} <= set(operation["responses"])
+    assert "lease_lost" in operation["responses"]["409"]["description"]
+    schemas = openapi["components"]["schemas"]
+    request = schemas["WaitInputRequest"]
+    assert request["discriminator"]["propertyName"] == "kind"
+    assert set(request["discriminator"]["mapping"]) == {"signal", "timer", "question"}
+    assert schemas["TimerWaitInputRequest"]["oneOf"] == [
+        {"required": ["until"]},
+        {"required": ["seconds"]},
+    ]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -38,6 +38,23 @@ EXPECT_TIMEOUT_MS = 45_000
 
 PASSWORD = "correct horse battery staple"
 
+# Every Content-Security-Policy violation as a console error with what Chromium's own line
+# leaves out: the directive, the script and line that caused it, the element it was about (a
+# blocked style attribute shows in its HTML) and the blocked sample (given only where the
+# directive has 'report-sample').
+CSP_VIOLATION_LISTENER = """
+document.addEventListener("securitypolicyviolation", (event) => {
+  const target = event.target;
+  console.error("CSP violation: " + JSON.stringify({
+    directive: event.violatedDirective,
+    source: `${event.sourceFile}:${event.lineNumber}:${event.columnNumber}`,
+    element: target instanceof Element ? target.outerHTML.slice(0, 300) : String(target),
+    blocked: event.blockedURI,
+    sample: event.sample,
+  }));
+});
+"""
+
 
 def _browser_required() -> bool:
     return bool(os.environ.get("CI")) or os.environ.get("AGENTOPS_REQUIRE_BROWSER") == "1"
@@ -82,38 +99,25 @@ def page(chromium, live_server, request) -> Iterator[Any]:
         base_url=live_server.url, viewport=VIEWPORT, timezone_id="UTC", locale="en-US"
     )
     context.set_default_timeout(EXPECT_TIMEOUT_MS)
+    context.add_init_script(CSP_VIOLATION_LISTENER)
     browser_page = context.new_page()
     errors: list[str] = []
     browser_page.on("pageerror", lambda exc: errors.append(f"{browser_page.url}: {exc}"))
-    # console errors include what the Content-Security-Policy blocked (an inline script or
-    # style) and failed loads of the pages' own scripts and stylesheets
-    # Known flake, under investigation: once in a few suites, while the run page polls, Chromium
-    # reports "Applying inline style violates ... style-src 'self'" with a hash that matches no
-    # template, no script of ours, htmx or Playwright. Our templates carry no inline style
-    # (tests/test_deploy.py checks every one) and nothing renders wrong, so those reports are
-    # kept in test-artifacts/ rather than failing the run; inline *script* and every other
-    # error still fail it.
-    inline_style: list[str] = []
 
     def on_console(message) -> None:
-        if message.type != "error":
-            return
-        line = f"{browser_page.url}: {message.text}"
-        if "Applying inline style violates" in message.text:
-            inline_style.append(line)
-        else:
-            errors.append(line)
+        # console errors include what the Content-Security-Policy blocked (an inline script
+        # or style, with the details above) and failed loads of the pages' own scripts and
+        # stylesheets
+        if message.type == "error":
+            errors.append(f"{browser_page.url}: {message.text}")
 
     browser_page.on("console", on_console)
     yield browser_page
     if getattr(request.node, "rep_call", None) is not None and request.node.rep_call.failed:
         shot(browser_page, f"FAILED-{request.node.name}")
     context.close()
-    if inline_style:
-        ARTIFACTS.mkdir(parents=True, exist_ok=True)
-        with open(ARTIFACTS / "inline-style-reports.txt", "a") as report:
-            report.write(f"{request.node.nodeid}\n" + "\n".join(inline_style) + "\n")
-    # a JavaScript error on any page is a bug even when the assertions happened to pass
+    # a JavaScript error or a CSP violation on any page is a bug even when the assertions
+    # happened to pass
     assert not errors, f"errors in the browser console: {errors}"
 
 

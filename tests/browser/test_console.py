@@ -128,6 +128,34 @@ def test_approving_a_refund_lets_it_finish_while_the_page_watches(
     assert (decided.actor, decided.channel) == ("user:oscar", "web")
 
 
+def test_a_panel_refresh_copies_no_style_the_policy_would_block(page, console_user):
+    # Script may style an element through the CSSOM, which the Content-Security-Policy
+    # allows: a browser extension, or Playwright hiding the caret while it takes a
+    # screenshot. When htmx swaps in the refreshed panel it must not copy such a style onto
+    # the new elements as a style attribute: the policy blocks that and reports it on the
+    # console (which fails any test here, in the page fixture).
+    expect = _expect()
+    run = _refund_needing_approval()
+    sign_in(page, "oscar")
+    page.goto(reverse("runs:detail", args=[run.id]))
+    expect(page.locator("#run-actions #id_pause_reason")).to_be_attached()
+    page.evaluate(
+        """() => {
+        const panel = document.getElementById("run-actions");
+        panel.dataset.before = "refresh";
+        panel.querySelectorAll("[id]").forEach((element) => {
+            element.style.setProperty("caret-color", "transparent", "important");
+        });
+        htmx.trigger(document.body, "run-actions-changed");
+    }"""
+    )
+
+    # swapped in and settled; the page fixture then finds no CSP report on the console
+    refreshed = page.locator("#run-actions:not([data-before])")
+    expect(refreshed.locator("#id_pause_reason")).to_be_attached()
+    expect(refreshed).not_to_have_class(re.compile("htmx-settling"))
+
+
 def test_the_approvals_inbox_lists_what_waits_for_a_decision(page, console_user, sandbox):
     expect = _expect()
     run = drive(_refund_needing_approval().id)

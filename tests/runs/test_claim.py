@@ -12,7 +12,7 @@ from django.utils import timezone
 from runs import engine
 from runs.events import LeaseLost
 from runs.models import Run, RunEvent, Step
-from runs.registry import CallTool, Finish
+from runs.registry import CallTool, Effect, Finish
 from runs.services import run_create
 from tests.support import (
     CountingTool,
@@ -180,7 +180,32 @@ def test_zombie_checkpoint_raises_lease_lost_and_writes_nothing(agent, system_ac
 
 
 @pytest.mark.django_db
-def test_zombie_cannot_advance_a_run_another_worker_claimed(agent, system_actor):
+def test_zombie_cannot_advance_a_run_another_worker_claimed(register, system_actor):
+    body = CountingTool()
+    register(
+        make_tool("claim_write", body, effect=Effect.IDEMPOTENT),
+        ScriptedAgent(
+            "claim_writer",
+            lambda ctx: Finish({}) if ctx.steps else CallTool("claim_write", {}),
+            tools=("claim_write",),
+        ),
+    )
+    run = run_create(agent_name="claim_writer", actor=system_actor)
+    zombie = engine.claim(run.id, worker="w1")
+    expire_lease(run.id)
+    engine.claim(run.id, worker="w2")
+
+    with pytest.raises(LeaseLost), transaction.atomic():
+        engine._advance_once(zombie)
+
+    assert body.calls == []  # the zombie's decision never reached the tool
+    assert not Step.objects.filter(run=run).exists()
+
+
+@pytest.mark.django_db
+def test_a_zombies_free_read_records_nothing(agent, system_actor):
+    """A read decided at no cost is called before its one commit (docs/recovery.md): a
+    zombie may make the read, which has no side effect, and its commit is refused."""
     run = _new_run(system_actor)
     zombie = engine.claim(run.id, worker="w1")
     expire_lease(run.id)
@@ -189,5 +214,5 @@ def test_zombie_cannot_advance_a_run_another_worker_claimed(agent, system_actor)
     with pytest.raises(LeaseLost), transaction.atomic():
         engine._advance_once(zombie)
 
-    assert agent.calls == []  # the zombie's decision never reached the tool
     assert not Step.objects.filter(run=run).exists()
+    assert not RunEvent.objects.filter(run=run, incarnation=1).exclude(type="run.claimed").exists()

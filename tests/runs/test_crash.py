@@ -146,6 +146,8 @@ def test_chaos_with_database_faults_keeps_every_invariant():
 
     report = json.loads(out.getvalue().strip().splitlines()[-1])
     assert report["db_connections_terminated"] > 0
+    # every worker outlived its connections being terminated
+    assert report["workers_restarted"] == 0
     assert report["duplicate_effects"] == 0
     assert report["lost_runs"] == 0
     assert report["double_consumed_approvals"] == 0

@@ -1,19 +1,28 @@
 """``runworker``: an exclusive identity, takeover of a dead predecessor's leases at once,
-clear one-line errors for bad configuration, a clean stop on SIGTERM, and the liveness check
-that notices a frozen cluster."""
+clear one-line errors for bad configuration, a clean stop on SIGTERM, a worker that outlives
+its database connections, and the liveness check that notices a frozen cluster."""
 
 from __future__ import annotations
 
+import logging
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
+import uuid
+from contextlib import suppress
 from datetime import timedelta
 
 import pytest
+from django.conf import settings
+from django.db import OperationalError, connection
 
 from agentops.demo.sandbox import free_port
+from runs import workers
 from runs.dbtime import db_now
+from runs.management.commands import runworker
 from runs.models import Run, RunEvent, ToolCall, Worker
 from runs.services import run_create
 from runs.workers import check_liveness
@@ -107,11 +116,26 @@ def test_a_malformed_crash_spec_is_a_one_line_error(value):
 
 def test_an_unreachable_database_is_a_one_line_error():
     url = f"postgres://postgres@127.0.0.1:{free_port()}/nowhere"
-    result = _manage(worker_env(DATABASE_URL=url), "runworker", "--name", "no-db")
+    env = worker_env(DATABASE_URL=url, AGENTOPS_STARTUP_DB_WAIT="0")
+    result = _manage(env, "runworker", "--name", "no-db")
 
     assert result.returncode != 0
     line = one_line(result.stderr + result.stdout)
     assert line.startswith("CommandError: cannot reach the database")
+
+
+def test_start_up_waits_for_an_unreachable_database_then_gives_up_with_one_line():
+    url = f"postgres://postgres@127.0.0.1:{free_port()}/nowhere"
+    env = worker_env(DATABASE_URL=url, AGENTOPS_STARTUP_DB_WAIT="1.5")
+    started = time.monotonic()
+    result = _manage(env, "runworker", "--name", "no-db")
+
+    assert result.returncode == 1
+    assert 1.5 <= time.monotonic() - started < 20
+    waiting, gave_up = [line for line in (result.stderr + result.stdout).splitlines() if line]
+    assert "WARNING" in waiting and "retrying for up to 1.5s" in waiting
+    assert gave_up.startswith("CommandError: cannot reach the database")
+    assert gave_up.endswith("(gave up after 1.5s)")
 
 
 def test_an_unmigrated_database_is_a_one_line_error(tmp_path):
@@ -202,3 +226,184 @@ def test_the_liveness_check_does_not_call_an_idle_or_busy_cluster_frozen():
     )
     worker.refresh_from_db()
     assert worker.health == Worker.Health.HEALTHY and worker.detail == ""
+
+
+# --- a lost database connection -----------------------------------------------------------
+
+
+def _postgresql_only() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("connections are terminated with pg_terminate_backend: PostgreSQL only")
+
+
+def _terminate_connections(application_name: str) -> int:
+    """What an administrator's pg_terminate_backend, or a failover, does to a worker."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+            "WHERE datname = current_database() AND application_name = %s "
+            "AND pid <> pg_backend_pid()",
+            [application_name],
+        )
+        return cursor.fetchone()[0]
+
+
+@slow
+@pytest.mark.django_db(transaction=True)
+def test_a_worker_outlives_its_database_connections_being_terminated(
+    worker_procs, sandbox, system_actor
+):
+    _postgresql_only()
+    application_name = f"agentops-test-{uuid.uuid4().hex[:8]}"
+    env = worker_env(sandbox)
+    env["DATABASE_URL"] += f"{'&' if '?' in env['DATABASE_URL'] else '?'}"
+    env["DATABASE_URL"] += f"application_name={application_name}"
+    worker = worker_procs.start("cut-off", env)
+    worker.wait_running()
+    boot_id = Worker.objects.get(name="cut-off").boot_id
+
+    # every connection of the worker (main process, pusher, monitor, task processes), again
+    # and again: idle, mid-tick, mid-poll
+    terminated = 0
+    for pause in [0.1, 0.3, 0.05, 0.5, 0.2, 0.15, 0.4, 0.25, 0.05, 0.35] * 2:
+        terminated += _terminate_connections(application_name)
+        time.sleep(pause)
+        assert worker.alive, worker.output()
+    assert terminated >= 10
+    faults_ended = db_now()
+
+    # still the same worker: its heartbeat goes on under the identity it had
+    wait_for(
+        lambda: Worker.objects.get(name="cut-off").heartbeat_at > faults_ended,
+        5,
+        what="a heartbeat after the faults",
+    )
+    assert Worker.objects.get(name="cut-off").boot_id == boot_id
+    # and its cluster still takes work
+    run = _refund_run(system_actor)
+    wait_for(lambda: Run.objects.get(id=run.id).status in Run.TERMINAL, 30, what="the run to end")
+    assert Run.objects.get(id=run.id).status == Run.Status.SUCCEEDED
+    assert worker.alive
+    output = worker.output()
+    # the main loop said so in a line per outage, not a traceback per sweep hook; the pusher
+    # did not stop for 10 s
+    assert "sweep hook" not in output
+    assert "Failed to pull task from broker" not in output
+    assert "reincarnated pusher" not in output
+
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.wait_exit(10) == 0, worker.output()
+    assert Worker.objects.get(name="cut-off").health == Worker.Health.STOPPED
+
+
+class _LateDatabase:
+    """A TCP relay to the test database that starts listening only when told to: for a worker
+    it is a database that is not there yet, then is."""
+
+    def __init__(self) -> None:
+        db = connection.settings_dict
+        self.target = (db["HOST"] or "127.0.0.1", int(db["PORT"] or 5432))
+        self.port = free_port()
+        auth = db["USER"] + (f":{db['PASSWORD']}" if db["PASSWORD"] else "")
+        self.url = f"postgres://{auth}@127.0.0.1:{self.port}/{db['NAME']}"
+        self.listener: socket.socket | None = None
+        self.sockets: list[socket.socket] = []
+
+    def come_up(self) -> None:
+        self.listener = socket.create_server(("127.0.0.1", self.port))
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                return
+            self.sockets += [client, upstream]
+            for source, sink in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(source, sink), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        with suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        with suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def close(self) -> None:
+        for sock in [self.listener, *self.sockets]:
+            if sock is not None:
+                with suppress(OSError):
+                    sock.close()
+
+
+@slow
+@pytest.mark.django_db(transaction=True)
+def test_start_up_waits_for_a_database_that_is_not_there_yet(worker_procs):
+    _postgresql_only()
+    database = _LateDatabase()
+    try:
+        env = worker_env(DATABASE_URL=database.url, AGENTOPS_STARTUP_DB_WAIT="30")
+        worker = worker_procs.start("early", env)
+        wait_for(
+            lambda: "retrying for up to 30s" in worker.output() or not worker.alive,
+            10,
+            what="the worker to wait for the database",
+        )
+        time.sleep(1)  # a few more tries
+        assert worker.alive, worker.output()
+
+        database.come_up()
+        worker.wait_running(20)
+
+        # one line while it waited, however many tries
+        assert worker.output().count("cannot reach the database") == 1, worker.output()
+        assert Worker.objects.get(name="early").pid == worker.pid
+        worker.process.send_signal(signal.SIGTERM)
+        assert worker.wait_exit(10) == 0, worker.output()
+    finally:
+        database.close()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_main_loop_outlives_a_lost_connection_under_the_same_identity(monkeypatch, caplog):
+    boot_id = workers.identity_acquire("flaky")
+    real_heartbeat = workers.heartbeat
+    heartbeats = []
+
+    def heartbeat(name, boot):
+        heartbeats.append(boot)
+        if len(heartbeats) in (2, 3, 4):  # an outage of three ticks
+            raise OperationalError("terminating connection due to administrator command")
+        return real_heartbeat(name, boot)
+
+    requested = {"stop": False}
+    pauses = []
+
+    def pause(seconds, requested):
+        pauses.append(seconds)
+        requested["stop"] = len(pauses) == 6
+
+    monkeypatch.setattr(workers, "heartbeat", heartbeat)
+    monkeypatch.setattr(runworker, "_pause", pause)
+    with caplog.at_level(logging.INFO, logger="runs.worker"):
+        assert runworker.Command()._loop("flaky", boot_id, requested) is True
+
+    # it backed off while the database was away, then went back to its interval
+    interval = settings.AGENTOPS["SWEEP_INTERVAL"]
+    assert pauses == [interval, 0.5, 1.0, 2.0, interval, interval]
+    assert heartbeats == [boot_id] * 6
+    # one warning line for the outage, no traceback; a line when it was over
+    problems = [record for record in caplog.records if record.levelno >= logging.WARNING]
+    assert [record.getMessage() for record in problems] == [
+        "worker flaky: cannot reach the database: terminating connection due to administrator "
+        "command; retrying"
+    ]
+    assert problems[0].exc_info is None
+    assert "worker flaky: the database answers again after" in caplog.text
+    # the identity is still this process's, freshly heartbeaten
+    worker = Worker.objects.get(name="flaky")
+    assert worker.boot_id == boot_id
+    assert (db_now() - worker.heartbeat_at).total_seconds() < 5

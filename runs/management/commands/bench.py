@@ -87,6 +87,12 @@ class Command(BaseCommand):
             help="measure in the configured database as it is (already migrated; the test "
             "suite uses this) instead of a dedicated one",
         )
+        parser.add_argument(
+            "--task-processes",
+            type=int,
+            help="django-q2 task processes per worker (default: the deployment's, "
+            "AGENTOPS_Q_WORKERS or 2)",
+        )
         parser.add_argument("--keep-database", action="store_true", help="do not drop it")
         parser.add_argument("--worker", metavar="NAME", help="(internal) run a bench worker")
 
@@ -111,6 +117,10 @@ class Command(BaseCommand):
                 size[key] = tuple(options[key]) if key == "memory_steps" else options[key]
         if size["runs"] < 1 or size["steps"] < 1:
             raise CommandError("--runs and --steps must be at least 1")
+        # as the Procfile's worker runs: each runworker with its cluster's task processes
+        self._task_processes = options["task_processes"] or settings.Q_CLUSTER["workers"]
+        if self._task_processes < 1:
+            raise CommandError("--task-processes must be at least 1")
 
         agents.register()
         log_dir = Path(tempfile.mkdtemp(prefix="agentops-bench-"))
@@ -165,7 +175,7 @@ class Command(BaseCommand):
                 "PYTHONUNBUFFERED": "1",
                 "LOG_LEVEL": "WARNING",
                 "AGENTOPS_Q_SYNC": "0",
-                "AGENTOPS_Q_WORKERS": "1",
+                "AGENTOPS_Q_WORKERS": str(getattr(self, "_task_processes", 1)),
                 "SECRET_KEY": settings.SECRET_KEY,
                 "ALLOWED_HOSTS": ",".join(settings.ALLOWED_HOSTS),
             }
@@ -205,6 +215,7 @@ class Command(BaseCommand):
             "quick": options["quick"],
             "sections": sorted(only),
             "sizes": size,
+            "task_processes_per_worker": self._task_processes,
             "debug": settings.DEBUG,
         }
 

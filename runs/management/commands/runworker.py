@@ -2,7 +2,9 @@
 
 Holds its identity exclusively, takes over the leases of its own dead predecessor at once,
 sweeps orphaned runs, then starts the django-q2 cluster and keeps sweeping and checking
-liveness from this main process until SIGTERM/SIGINT.
+liveness from this main process until SIGTERM/SIGINT. A lost database connection is not
+fatal: start-up retries it for up to ``AGENTOPS_STARTUP_DB_WAIT`` seconds (then exits 1 with
+one line), and the main loop retries it for as long as it runs, keeping its identity.
 
 Stopping: SIGTERM (or SIGINT) to THIS process only. The slices in progress yield at their
 next step boundary, the cluster stops, the identity is released and the leases it still
@@ -17,21 +19,74 @@ import multiprocessing
 import os
 import signal
 import time
+from collections.abc import Callable
+from contextlib import suppress
+from typing import TypeVar
 
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
-from django.db import DatabaseError, InterfaceError, connections
+from django.db import (
+    DatabaseError,
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connections,
+)
 
 from runs import engine, faults, sweeper, workers
 
 log = logging.getLogger("runs.worker")
 
+T = TypeVar("T")
+
+# A lost connection (a failover, a PostgreSQL restart, an administrator's
+# pg_terminate_backend) costs this process a tick, not its life: the broken connection is
+# dropped, and the next try opens a fresh one after a pause that doubles up to RETRY_MAX
+# while the database stays away.
+RETRY_FIRST = 0.5
+RETRY_MAX = 5.0
+
+
+class _Stopped(Exception):
+    """SIGTERM or SIGINT arrived while start-up waited for the database."""
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+def _unmigrated(exc: BaseException) -> bool:
+    first = _first_line(exc)
+    return "no such table" in first or ("relation" in first and "does not exist" in first)
+
+
+def _connection_lost(exc: BaseException) -> bool:
+    """Worth another try on a fresh connection (SQLite's "database is locked" too); a
+    missing table or a bad query is not."""
+    return isinstance(exc, OperationalError | InterfaceError) and not _unmigrated(exc)
+
 
 def _database_problem(exc: BaseException) -> str:
-    first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-    if "no such table" in first or ("relation" in first and "does not exist" in first):
+    first = _first_line(exc)
+    if _unmigrated(exc):
         return f"the database is not migrated (run python manage.py migrate): {first}"
-    return f"cannot reach the database: {first}"
+    if _connection_lost(exc):
+        return f"cannot reach the database: {first}"
+    return f"database error: {first}"
+
+
+def _drop_connections() -> None:
+    """Close this process's connections: a broken one must not be used again."""
+    for conn in connections.all(initialized_only=True):
+        with suppress(DatabaseError, InterfaceError):
+            conn.close()
+
+
+def _pause(seconds: float, requested: dict[str, bool]) -> None:
+    """Sleep, but wake up for SIGTERM/SIGINT within 50 ms."""
+    end = time.monotonic() + seconds
+    while not requested["stop"] and time.monotonic() < end:
+        time.sleep(min(0.05, seconds))
 
 
 class Command(BaseCommand):
@@ -65,18 +120,23 @@ class Command(BaseCommand):
         # installed before anything slow, so an early SIGTERM still stops cleanly
         signal.signal(signal.SIGTERM, request_stop)
         signal.signal(signal.SIGINT, request_stop)
+        # the database may still be starting (a host boot, a failover): start-up waits for
+        # it this long in all
+        self._start_deadline = time.monotonic() + settings.AGENTOPS["STARTUP_DB_WAIT"]
+        self._start_waiting = False
         try:
-            boot_id = workers.identity_acquire(name)
+            boot_id = self._at_start(name, requested, lambda: workers.identity_acquire(name))
         except workers.IdentityHeld as exc:
             raise CommandError(str(exc)) from None
-        except (DatabaseError, InterfaceError) as exc:
-            raise CommandError(_database_problem(exc)) from None
+        except _Stopped:
+            self.stdout.write(f"worker {name} stopped")
+            return
 
         cluster = None
         lost_identity = False
         try:
-            taken = workers.take_over_predecessor(name)
-            enqueued = sweeper.sweep()
+            taken = self._at_start(name, requested, lambda: workers.take_over_predecessor(name))
+            enqueued = self._at_start(name, requested, sweeper.sweep)
             log.info(
                 "worker %s started (took over %d leases, enqueued %d runs)", name, taken, enqueued
             )
@@ -87,7 +147,7 @@ class Command(BaseCommand):
                 from django_q.cluster import Cluster
 
                 # the forked cluster processes must not share this process's connections
-                connections.close_all()
+                _drop_connections()
                 cluster = Cluster()
                 # Cluster() installs its own handlers, which stop the cluster from inside a
                 # signal handler; ours only set the flag and let the loop below stop it
@@ -97,21 +157,65 @@ class Command(BaseCommand):
             self.stdout.write(f"worker {name} running (pid {os.getpid()})")
             self.stdout.flush()
             lost_identity = not self._loop(name, boot_id, requested)
+        except _Stopped:
+            pass
         finally:
             stopping.set()
             if cluster is not None and cluster.sentinel is not None:
                 cluster.stop()
-            try:
-                workers.identity_release(name, boot_id)
-            except (DatabaseError, InterfaceError):
-                log.warning("worker %s: could not release its identity; it goes stale", name)
+            self._release(name, boot_id)
         if lost_identity:
             raise CommandError(f"worker {name}: another process took this identity; stopped")
         self.stdout.write(f"worker {name} stopped")
 
+    def _at_start(self, name: str, requested: dict[str, bool], step: Callable[[], T]) -> T:
+        """One start-up step, tried again on a fresh connection while the database cannot be
+        reached, until STARTUP_DB_WAIT after start-up began; then one line and exit 1."""
+        delay = RETRY_FIRST
+        while True:
+            try:
+                return step()
+            except (DatabaseError, InterfaceError) as exc:
+                _drop_connections()
+                if not _connection_lost(exc):
+                    raise CommandError(_database_problem(exc)) from None
+                left = self._start_deadline - time.monotonic()
+                if left <= 0:
+                    waited = settings.AGENTOPS["STARTUP_DB_WAIT"]
+                    raise CommandError(
+                        f"{_database_problem(exc)} (gave up after {waited:g}s)"
+                    ) from None
+                if not self._start_waiting:
+                    self._start_waiting = True
+                    log.warning(
+                        "worker %s: %s; retrying for up to %gs",
+                        name,
+                        _database_problem(exc),
+                        settings.AGENTOPS["STARTUP_DB_WAIT"],
+                    )
+            _pause(min(delay, left), requested)
+            if requested["stop"]:
+                raise _Stopped
+            delay = min(delay * 2, RETRY_MAX)
+
+    def _release(self, name: str, boot_id) -> None:
+        # a second try on a fresh connection: the one from the last tick may be gone
+        for _ in range(2):
+            try:
+                workers.identity_release(name, boot_id)
+                return
+            except (DatabaseError, InterfaceError):
+                _drop_connections()
+        log.warning("worker %s: could not release its identity; it goes stale", name)
+
     def _loop(self, name, boot_id, requested) -> bool:
         """Sweep, heartbeat and check liveness until asked to stop. False when another
-        process has taken this worker's identity."""
+        process has taken this worker's identity.
+
+        A database that cannot be reached costs ticks, never the worker: it keeps its
+        identity and tries again. Its runs are safe in their record meanwhile; if the
+        outage outlasts LEASE_TTL their leases expire and other workers take them over, as
+        designed."""
         from django_q.brokers import get_broker
         from django_q.tasks import async_task
 
@@ -120,8 +224,15 @@ class Command(BaseCommand):
         started = time.monotonic()
         last_canary = 0.0
         broker = get_broker()
+        failing_since: float | None = None  # the first failed tick of the current outage
+        delay = RETRY_FIRST
         while not requested["stop"]:
+            pause = interval
             try:
+                # as Django does before each request: a connection the server closed since
+                # the last tick (pg_terminate_backend, a restart) is replaced here, by the
+                # health check, rather than failing the heartbeat
+                close_old_connections()
                 if not workers.heartbeat(name, boot_id):
                     log.error("worker %s: another process took this identity; stopping", name)
                     return False
@@ -138,10 +249,22 @@ class Command(BaseCommand):
                         now=now,
                     )
             except (DatabaseError, InterfaceError) as exc:
-                # the database is unreachable: keep trying; runs are safe in their record
-                log.error("worker %s: %s; retrying", name, _database_problem(exc))
-                connections.close_all()
-            deadline = time.monotonic() + interval
-            while not requested["stop"] and time.monotonic() < deadline:
-                time.sleep(min(0.05, interval))
+                _drop_connections()
+                if failing_since is None:
+                    failing_since = time.monotonic()
+                    delay = RETRY_FIRST
+                    # one line per outage, not one per tick
+                    log.warning("worker %s: %s; retrying", name, _database_problem(exc))
+                else:
+                    delay = min(delay * 2, RETRY_MAX)
+                pause = max(interval, delay)
+            else:
+                if failing_since is not None:
+                    log.info(
+                        "worker %s: the database answers again after %.1fs",
+                        name,
+                        time.monotonic() - failing_since,
+                    )
+                    failing_since = None
+            _pause(pause, requested)
         return True

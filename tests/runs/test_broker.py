@@ -1,0 +1,55 @@
+"""The cluster's broker: django-q2's ORM broker, except that a poll on a lost database
+connection does not stop the pusher (django-q2 would let it die after a 10 s sleep)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+from django.db import OperationalError
+from django_q.brokers import get_broker
+from django_q.brokers.orm import ORM
+
+from runs import broker as broker_module
+from runs.broker import OrmBroker
+
+
+@pytest.mark.django_db
+def test_the_cluster_uses_the_broker_that_outlives_a_lost_connection():
+    assert isinstance(get_broker(), OrmBroker)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_poll_on_a_lost_connection_returns_nothing_and_the_next_one_reconnects(
+    monkeypatch, caplog
+):
+    broker = get_broker()
+    real_dequeue = ORM.dequeue
+    polls = []
+
+    def dequeue(self):
+        polls.append(self)
+        if len(polls) <= 3:  # the database is away for three polls
+            raise OperationalError("terminating connection due to administrator command")
+        return real_dequeue(self)
+
+    sleeps = []
+    monkeypatch.setattr(ORM, "dequeue", dequeue)
+    monkeypatch.setattr(broker_module.time, "sleep", sleeps.append)
+    broker.enqueue("a signed task")
+
+    with caplog.at_level(logging.INFO, logger="runs.broker"):
+        assert [broker.dequeue() for _ in range(3)] == [None, None, None]
+        tasks = broker.dequeue()
+
+    assert [payload for _, payload in tasks] == ["a signed task"]
+    # waiting a little longer each time, not django-q2's 10 s
+    assert sleeps == [0.5, 1.0, 2.0]
+    # one line for the outage and one when it is over, no traceback
+    problems = [record for record in caplog.records if record.levelno >= logging.WARNING]
+    assert [record.getMessage() for record in problems] == [
+        "task pusher: cannot reach the database: terminating connection due to administrator "
+        "command; retrying"
+    ]
+    assert problems[0].exc_info is None
+    assert "task pusher: the database answers again after" in caplog.text
