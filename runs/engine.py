@@ -741,7 +741,11 @@ def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tr
         return _read_in_one_commit(lease, step, call, tool)
 
     with lease.checkpoint() as cp:
-        _record_decided(cp, lease, step, call)
+        # a call dispatched now: its step and row go with the events in the commit's one
+        # statement (a decision that cost tokens updates its step in the checkpoint's body,
+        # so that step is inserted at once)
+        at_commit = not (revoked or needs_approval) and lease.decision_usage is None
+        _record_decided(cp, lease, step, call, at_commit=at_commit)
         if revoked:
             # the decision is kept (the agent is not asked again); it is dispatched, or sent
             # for approval, when the run is resumed with a principal allowed to use the tool
@@ -759,7 +763,10 @@ def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tr
             # decided + dispatching share this commit: both come before the side effect
             if execute:
                 _mark_dispatching(cp, call, lease)
-            fastsql.insert(call)
+            if at_commit:
+                cp.insert(call)
+            else:
+                fastsql.insert(call)
     run.steps_used += 1
     lease.steps.append(step)
     if revoked or needs_approval:
@@ -769,10 +776,16 @@ def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tr
     return _execute(lease, step, call, tool)
 
 
-def _record_decided(cp: Checkpoint, lease: Lease, step: Step, call: ToolCall) -> None:
-    """``decided`` for a tool call: its step (inserted here) and the call's events. The call
-    itself is inserted by the caller once its status is known."""
-    fastsql.insert(step)
+def _record_decided(
+    cp: Checkpoint, lease: Lease, step: Step, call: ToolCall, *, at_commit: bool = False
+) -> None:
+    """``decided`` for a tool call: its step (inserted here, or with ``at_commit`` in the
+    checkpoint's one statement) and the call's events. The call itself is inserted by the
+    caller once its status is known."""
+    if at_commit:
+        cp.insert(step)
+    else:
+        fastsql.insert(step)
     call.step = step
     cp.event(
         "step.decided",
@@ -816,11 +829,13 @@ def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) ->
         step.output = output
         step.error = error
         step.completed_at = timezone.now()
-        _record_decided(cp, lease, step, call)
+        # step, call and receipt: inserted with the events and the run's update (one
+        # statement on PostgreSQL)
+        _record_decided(cp, lease, step, call, at_commit=True)
         _mark_dispatching(cp, call, lease)
         call.dispatched_at = dispatched_at
         call.status = ToolCall.Status.SUCCEEDED if ok else ToolCall.Status.FAILED
-        fastsql.insert(call)
+        cp.insert(call)
         transitions.record_receipt(
             cp,
             call,
@@ -830,7 +845,7 @@ def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) ->
             source=ToolReceipt.Source.TOOL,
             recorded_by=lease.actor,
             incarnation=lease.fence,
-            call_written=True,
+            at_commit=True,
         )
         transitions.apply_to_state(cp, run=lease.run, agent=lease.agent, step=step)
     lease.run.steps_used += 1
@@ -1324,16 +1339,29 @@ def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
         _mark_unknown(lease, call, error)
         return _reconcile(lease, step, call, tool)
     with lease.checkpoint() as cp:
-        _record_receipt(
+        # the receipt and both rows' new status go with the events (one statement on
+        # PostgreSQL)
+        transitions.record_receipt(
             cp,
-            lease,
             call,
             ok=ok,
             result=result.result if result else {"error": error},
             external_ref=result.external_ref if result else "",
             source=ToolReceipt.Source.TOOL,
+            recorded_by=lease.actor,
+            incarnation=lease.fence,
+            later=True,
         )
-        _complete_step(cp, lease, step, call, ok, result.result if result else None, error)
+        transitions.complete_step(
+            cp,
+            run=lease.run,
+            agent=lease.agent,
+            step=step,
+            ok=ok,
+            output=result.result if result else None,
+            error=error,
+            later=True,
+        )
     return Outcome.CONTINUE
 
 

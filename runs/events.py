@@ -13,14 +13,14 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, models, transaction
 from django.db.models import DateTimeField, ExpressionWrapper, F, Value
 from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Now
@@ -80,6 +80,8 @@ class Checkpoint:
     events: list[RunEvent] = field(default_factory=list)
     updates: dict[str, Any] = field(default_factory=dict)
     boundaries: list[str] = field(default_factory=list)
+    inserts: list[models.Model] = field(default_factory=list)
+    row_updates: list[tuple[type[models.Model], Any, dict[str, Any]]] = field(default_factory=list)
 
     def event(self, type: str, **payload: Any) -> None:
         # Stored as JSON: reduce to JSON values now (a Decimal budget, a UUID, a datetime
@@ -101,6 +103,18 @@ class Checkpoint:
 
     def update(self, **fields: Any) -> None:
         self.updates.update(fields)
+
+    def insert(self, obj: models.Model) -> None:
+        """Insert ``obj`` in this commit, after the objects given before it. A foreign key
+        to one of those (assigned while it was unsaved) is filled in from it. On PostgreSQL
+        these rows, the events and the run's update go to the database as ONE statement."""
+        self.inserts.append(obj)
+
+    def update_row(self, model: type[models.Model], pk: Any, **values: Any) -> None:
+        """``UPDATE`` one row (plain values) in this commit, with the events: on PostgreSQL
+        in the commit's one statement. The row must exist; nothing reads it back before the
+        commit."""
+        self.row_updates.append((model, pk, values))
 
     def boundary(self, name: str) -> None:
         """Mark that this commit contains a checkpoint boundary (for fault injection)."""
@@ -134,7 +148,17 @@ _LOCKED_FIELDS = (
 # executing them. Their SQL is built once from the models' metadata (so a new column is
 # picked up) and run through the connection's cursor (so query logging and execute
 # wrappers still see them). SQLite keeps the ORM: its values need the ORM's converters.
-_sql_cache: dict[str, Any] = {}
+_sql_cache: dict[Any, Any] = {}
+
+# psycopg converts a statement's %s placeholders once and caches that, but only for
+# statements of at most 50 parameters (psycopg._queries; memory, not correctness). The
+# checkpoint's one statement (_write_in_one_statement) has about 90: unraised, psycopg would
+# parse it again at every step, which cost more CPU than the round trips it saves.
+with suppress(ImportError):
+    from psycopg import _queries as _psycopg_queries
+
+    if getattr(_psycopg_queries, "MAX_CACHED_STATEMENT_PARAMS", 200) < 200:
+        _psycopg_queries.MAX_CACHED_STATEMENT_PARAMS = 200
 
 
 def _raw_sql_ok() -> bool:
@@ -169,18 +193,22 @@ def _lock(run_id: Any, fence: int | None) -> Run | None:
     return None if row is None else Run.from_db(connection.alias, attnames, row)
 
 
+def _insert_events_sql_init() -> None:
+    fields = [f for f in RunEvent._meta.concrete_fields if not f.primary_key]
+    columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
+    _sql_cache["events"] = (
+        f"INSERT INTO {connection.ops.quote_name(RunEvent._meta.db_table)} ({columns}) VALUES ",
+        "(" + ", ".join(["%s"] * len(fields)) + ")",
+        fastsql.plan(fields),
+    )
+
+
 def _insert_events(events: list[RunEvent]) -> None:
     if not _raw_sql_ok():
         RunEvent.objects.bulk_create(events)
         return
     if "events" not in _sql_cache:
-        fields = [f for f in RunEvent._meta.concrete_fields if not f.primary_key]
-        columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
-        _sql_cache["events"] = (
-            f"INSERT INTO {connection.ops.quote_name(RunEvent._meta.db_table)} ({columns}) VALUES ",
-            "(" + ", ".join(["%s"] * len(fields)) + ")",
-            fastsql.plan(fields),
-        )
+        _insert_events_sql_init()
     head, row, fields = _sql_cache["events"]
     params: list[Any] = []
     for event in events:
@@ -198,7 +226,9 @@ def _insert_events(events: list[RunEvent]) -> None:
         event._state.db = connection.alias
 
 
-def _update_run(run_id: Any, fence: int | None, updates: dict[str, Any]) -> int | None:
+def _update_sql(
+    run_id: Any, fence: int | None, updates: dict[str, Any]
+) -> tuple[str, list[Any]] | None:
     """The checkpoint's one UPDATE of the run, as SQL written here for the values a
     checkpoint carries (plain values, ``Now()``, ``F(field) +/- value``, the lease expiry);
     None for anything else, which then goes through the ORM. The SQL is cached per shape
@@ -264,9 +294,138 @@ def _update_run(run_id: Any, fence: int | None, updates: dict[str, Any]) -> int 
     params.append(run_id)
     if fence is not None:
         params.append(fence)
+    return sql, params
+
+
+def _update_run(run_id: Any, fence: int | None, updates: dict[str, Any]) -> int | None:
+    statement = _update_sql(run_id, fence, updates)
+    if statement is None:
+        return None
+    with connection.cursor() as cursor:
+        cursor.execute(*statement)
+        return cursor.rowcount
+
+
+def _links(obj: models.Model, earlier: list[models.Model]) -> list[tuple[models.Field, int]]:
+    """Foreign keys of ``obj`` that point at an object inserted before it in the same
+    checkpoint: (the field, that object's index)."""
+    found = []
+    for model_field in obj._meta.concrete_fields:
+        if model_field.is_relation and model_field.is_cached(obj):
+            target = model_field.get_cached_value(obj)
+            for index, other in enumerate(earlier):
+                if other is target:
+                    found.append((model_field, index))
+    return found
+
+
+def _link(obj: models.Model, inserts: list[models.Model]) -> None:
+    for model_field, index in _links(obj, inserts[: inserts.index(obj)]):
+        setattr(obj, model_field.attname, inserts[index].pk)
+
+
+def _write_in_one_statement(cp: Checkpoint, update: tuple[str, list[Any]]) -> int:
+    """PostgreSQL: the checkpoint's rows, its events and the run's UPDATE as one statement of
+    data-modifying CTEs — one round trip instead of one per row (docs/benchmarks.md). A row
+    that references an earlier one (a tool call its step, a receipt its call) takes the key
+    from that row's CTE. Returns the rows the UPDATE changed (0: the lease was lost, and the
+    caller's LeaseLost rolls everything back)."""
+    links = [dict(_links(obj, cp.inserts[:index])) for index, obj in enumerate(cp.inserts)]
+    update_sql, update_params = update
+    key = (
+        "one",
+        tuple(
+            (type(obj), tuple(sorted((f.attname, i) for f, i in link.items())))
+            for obj, link in zip(cp.inserts, links, strict=True)
+        ),
+        tuple((model, tuple(values)) for model, _pk, values in cp.row_updates),
+        len(cp.events),
+        update_sql,
+    )
+    if key not in _sql_cache:
+        _sql_cache[key] = _one_statement_sql(cp, links, update_sql)
+    sql, plans = _sql_cache[key]
+    params: list[Any] = []
+    for obj, plan in zip(cp.inserts, plans, strict=True):
+        params += fastsql.row_values(obj, plan, True)
+    for model, pk, values in cp.row_updates:
+        params += [fastsql.prepare(model._meta.get_field(name), v) for name, v in values.items()]
+        params.append(model._meta.pk.get_db_prep_value(pk, connection))
+    _head, _row, event_fields = _sql_cache["events"]
+    for event in cp.events:
+        params += fastsql.row_values(event, event_fields, False)
+    params += update_params
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        return cursor.rowcount
+        *pks, event_pks, rows_updated, updated = cursor.fetchone()
+    if rows_updated != len(cp.row_updates):
+        # what save(update_fields=...) says; rolls the whole checkpoint back
+        raise DatabaseError("a row the checkpoint updates is gone")
+    for obj, pk_value in zip(cp.inserts, pks, strict=True):
+        _link(obj, cp.inserts)
+        obj.pk = pk_value
+        obj._state.adding = False
+        obj._state.db = connection.alias
+    # in VALUES order (one INSERT ... RETURNING)
+    for event, pk_value in zip(cp.events, event_pks, strict=True):
+        event.pk = pk_value
+        event._state.adding = False
+        event._state.db = connection.alias
+    return updated
+
+
+def _one_statement_sql(
+    cp: Checkpoint, links: list[dict[models.Field, int]], update_sql: str
+) -> tuple[str, list[Any]]:
+    quote = connection.ops.quote_name
+    ctes, plans, selected = [], [], []
+    for index, (obj, link) in enumerate(zip(cp.inserts, links, strict=True)):
+        meta = obj._meta
+        fields = [f for f in meta.concrete_fields if not f.primary_key]
+        plans.append(fastsql.plan([f for f in fields if f not in link]))
+        columns = ", ".join(quote(f.column) for f in fields)
+        table, pk = quote(meta.db_table), quote(meta.pk.column)
+        selected.append(f"(SELECT {pk} FROM i{index})")
+        if not link:
+            values = ", ".join(["%s"] * len(fields))
+            ctes.append(
+                f"i{index} AS (INSERT INTO {table} ({columns}) VALUES ({values}) RETURNING {pk})"
+            )
+            continue
+        # INSERT ... SELECT: a parameter's type is not taken from its column there, so every
+        # non-text one is cast to it (text is left to the column's own length check)
+        exprs = []
+        for f in fields:
+            if f in link:
+                exprs.append(f"i{link[f]}.{quote(cp.inserts[link[f]]._meta.pk.column)}")
+            elif f.get_internal_type() in ("CharField", "TextField"):
+                exprs.append("%s")
+            else:
+                exprs.append(f"%s::{f.db_type(connection)}")
+        sources = ", ".join(sorted({f"i{i}" for i in link.values()}))
+        ctes.append(
+            f"i{index} AS (INSERT INTO {table} ({columns}) "
+            f"SELECT {', '.join(exprs)} FROM {sources} RETURNING {pk})"
+        )
+    for index, (model, _pk, values) in enumerate(cp.row_updates):
+        meta = model._meta
+        assignments = ", ".join(f"{quote(meta.get_field(name).column)} = %s" for name in values)
+        ctes.append(
+            f"u{index} AS (UPDATE {quote(meta.db_table)} SET {assignments} "
+            f"WHERE {quote(meta.pk.column)} = %s RETURNING 1)"
+        )
+    counted = " + ".join(f"(SELECT count(*) FROM u{i})" for i in range(len(cp.row_updates)))
+    if "events" not in _sql_cache:
+        _insert_events_sql_init()
+    head, row, _fields = _sql_cache["events"]
+    event_pk = quote(RunEvent._meta.pk.column)
+    ctes.append(f"ev AS ({head}{', '.join([row] * len(cp.events))} RETURNING {event_pk})")
+    ctes.append(f"up AS ({update_sql} RETURNING 1)")
+    sql = (
+        f"WITH {', '.join(ctes)} SELECT {''.join(c + ', ' for c in selected)}"
+        f"ARRAY(SELECT {event_pk} FROM ev), {counted or '0'}, (SELECT count(*) FROM up)"
+    )
+    return sql, plans
 
 
 @contextmanager
@@ -324,25 +483,41 @@ def _write(cp: Checkpoint, *, renew_lease: bool) -> None:
         event.prev_hash = prev_hash
         event.hash = event_hash(event)
         prev_hash = event.hash
-    if cp.events:
-        _insert_events(cp.events)
-        for listener in _event_listeners:
-            listener(cp)
     updates = dict(cp.updates)
     if cp.events:
         updates["event_seq"] = seq
         updates["last_event_hash"] = prev_hash
     if cp.fence is not None and renew_lease and "lease_expires_at" not in updates:
         updates["lease_expires_at"] = lease_expiry_expression()
-    if not updates:
-        return
-    updates["updated_at"] = now
-    updated = _update_run(run.id, cp.fence, updates)
-    if updated is None:
-        query = Run.objects.filter(id=run.id)
-        if cp.fence is not None:
-            query = query.filter(fence=cp.fence)
-        updated = query.update(**updates)
+    if updates:
+        updates["updated_at"] = now
+    update = _update_sql(run.id, cp.fence, updates) if updates else None
+    if (cp.inserts or cp.row_updates) and cp.events and update is not None:
+        updated = _write_in_one_statement(cp, update)
+        for listener in _event_listeners:
+            listener(cp)
+    else:
+        for obj in cp.inserts:
+            _link(obj, cp.inserts)
+            fastsql.insert(obj)
+        for model, pk, values in cp.row_updates:
+            if fastsql.update(model, pk, **values) != 1:
+                raise DatabaseError(f"{model.__name__} {pk} is gone: not updated")
+        if cp.events:
+            _insert_events(cp.events)
+            for listener in _event_listeners:
+                listener(cp)
+        if not updates:
+            return
+        if update is not None:
+            with connection.cursor() as cursor:
+                cursor.execute(*update)
+                updated = cursor.rowcount
+        else:
+            query = Run.objects.filter(id=run.id)
+            if cp.fence is not None:
+                query = query.filter(fence=cp.fence)
+            updated = query.update(**updates)
     if updated != 1:
         # cannot happen while the row lock is held; on SQLite the IMMEDIATE transaction
         # serialises writers the same way

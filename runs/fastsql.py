@@ -57,6 +57,13 @@ def plan(fields: list[models.Field]) -> list[tuple[str, int, models.Field]]:
     return [(f.attname, _mode(f), f) for f in fields]
 
 
+def prepare(field: models.Field, value: Any) -> Any:
+    """One plain value of ``field`` ready for the cursor (as ``QuerySet.update()`` sends it)."""
+    if _mode(field) == _AS_IS:
+        return value
+    return field.get_db_prep_save(value, connections[DEFAULT_DB_ALIAS])
+
+
 def row_values(obj: models.Model, fields: list[tuple[str, int, models.Field]], add: bool) -> list:
     """The fields' values of ``obj`` ready for the cursor, as ``save()`` would send them
     (``add``: as for an insert, which ``auto_now_add`` stamps)."""

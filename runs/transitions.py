@@ -38,12 +38,14 @@ def record_receipt(
     source: str,
     recorded_by: str,
     incarnation: int | None,
-    call_written: bool = False,
+    at_commit: bool = False,
+    later: bool = False,
 ) -> ToolReceipt:
-    """``receipt_recorded``: the call's outcome, whoever learned it. ``call_written``: the
-    caller inserts the call with its final status in this same commit (no UPDATE needed)."""
-    receipt = fastsql.create(
-        ToolReceipt,
+    """``receipt_recorded``: the call's outcome, whoever learned it. ``at_commit``: the
+    caller inserts the call with its final status in this same commit (``cp.insert``), and
+    the receipt goes with it (no UPDATE of the call). ``later``: the receipt and the call's
+    new status are written with the commit's events (one statement on PostgreSQL)."""
+    receipt = ToolReceipt(
         tool_call=call,
         outcome=ToolReceipt.Outcome.SUCCEEDED if ok else ToolReceipt.Outcome.FAILED,
         result=result,
@@ -53,7 +55,13 @@ def record_receipt(
         incarnation=incarnation,
     )
     call.status = ToolCall.Status.SUCCEEDED if ok else ToolCall.Status.FAILED
-    if not call_written:
+    if at_commit:
+        cp.insert(receipt)
+    elif later:
+        cp.insert(receipt)
+        cp.update_row(ToolCall, call.id, status=call.status, updated_at=timezone.now())
+    else:
+        fastsql.insert(receipt)
         fastsql.update(ToolCall, call.id, status=call.status, updated_at=timezone.now())
     cp.event(
         "tool.succeeded" if ok else "tool.failed",
@@ -77,13 +85,32 @@ def apply_to_state(cp: Checkpoint, *, run: Run, agent: Agent, step: Step) -> Non
 
 
 def complete_step(
-    cp: Checkpoint, *, run: Run, agent: Agent, step: Step, ok: bool, output: Any, error: str
+    cp: Checkpoint,
+    *,
+    run: Run,
+    agent: Agent,
+    step: Step,
+    ok: bool,
+    output: Any,
+    error: str,
+    later: bool = False,
 ) -> None:
+    """``later``: the step's row is updated with the commit's events (``cp.update_row``)."""
     step.status = Step.Status.COMPLETED if ok else Step.Status.FAILED
     step.output = output
     step.error = error
     step.completed_at = timezone.now()
-    fastsql.save_fields(step, ["status", "output", "error", "completed_at"])
+    if later:
+        cp.update_row(
+            Step,
+            step.pk,
+            status=step.status,
+            output=step.output,
+            error=step.error,
+            completed_at=step.completed_at,
+        )
+    else:
+        fastsql.save_fields(step, ["status", "output", "error", "completed_at"])
     apply_to_state(cp, run=run, agent=agent, step=step)
 
 

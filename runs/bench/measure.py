@@ -7,6 +7,7 @@ per step next to the boundaries the design requires, a recovery next to the leas
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import uuid
@@ -58,6 +59,12 @@ class Context:
     worker_env: Callable[..., dict[str, str]]
     settings_dict: dict[str, Any]
     say: Callable[[str], None]
+    # django-q2 task processes per worker in the throughput runs; None: as many in all as
+    # the machine has cores (more only adds contention: the engine is CPU-bound)
+    task_processes: int | None = None
+
+    def processes_per_worker(self, workers: int) -> int:
+        return self.task_processes or max(1, -(-(os.cpu_count() or 1) // workers))
 
     def start_workers(self, prefix: str, count: int, **env: str) -> list[BenchWorker]:
         workers = [
@@ -184,7 +191,10 @@ def throughput(ctx: Context, *, agent: str, workers: int, runs: int, steps: int)
     connection.close()  # publish this process's counters before the baseline
     commits_before = stable_commits(ctx.settings_dict)
     poller = Poller(ctx.settings_dict)
-    started = ctx.start_workers(f"tp-{agent.split('.')[-1]}-{workers}", workers)
+    processes = ctx.processes_per_worker(workers)
+    started = ctx.start_workers(
+        f"tp-{agent.split('.')[-1]}-{workers}", workers, AGENTOPS_Q_WORKERS=str(processes)
+    )
     # (PostgreSQL's CPU is measured in the overhead section, on one known backend: here the
     # workers' backends come and go with django-q2's connection recycling and would be lost)
     worker_cpu_before = sum(cpu_seconds(w.group_pids()) for w in started)
@@ -208,6 +218,7 @@ def throughput(ctx: Context, *, agent: str, workers: int, runs: int, steps: int)
     return {
         "agent": agent,
         "workers": workers,
+        "task_processes_per_worker": processes,
         "runs": runs,
         "steps_per_run": steps,
         "succeeded": succeeded,

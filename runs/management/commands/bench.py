@@ -90,8 +90,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--task-processes",
             type=int,
-            help="django-q2 task processes per worker (default: the deployment's, "
-            "AGENTOPS_Q_WORKERS or 2)",
+            help="django-q2 task processes per worker in the throughput runs (default: as "
+            "many in all as the machine has cores)",
         )
         parser.add_argument("--keep-database", action="store_true", help="do not drop it")
         parser.add_argument("--worker", metavar="NAME", help="(internal) run a bench worker")
@@ -117,9 +117,8 @@ class Command(BaseCommand):
                 size[key] = tuple(options[key]) if key == "memory_steps" else options[key]
         if size["runs"] < 1 or size["steps"] < 1:
             raise CommandError("--runs and --steps must be at least 1")
-        # as the Procfile's worker runs: each runworker with its cluster's task processes
-        self._task_processes = options["task_processes"] or settings.Q_CLUSTER["workers"]
-        if self._task_processes < 1:
+        self._task_processes = options["task_processes"]
+        if self._task_processes is not None and self._task_processes < 1:
             raise CommandError("--task-processes must be at least 1")
 
         agents.register()
@@ -139,6 +138,7 @@ class Command(BaseCommand):
                     worker_env=self._worker_env,
                     settings_dict=connections["default"].settings_dict,
                     say=self._say,
+                    task_processes=self._task_processes,
                 )
                 results = self._measure(ctx, size, only, dbos=options["dbos"])
         finally:
@@ -175,7 +175,10 @@ class Command(BaseCommand):
                 "PYTHONUNBUFFERED": "1",
                 "LOG_LEVEL": "WARNING",
                 "AGENTOPS_Q_SYNC": "0",
-                "AGENTOPS_Q_WORKERS": str(getattr(self, "_task_processes", 1)),
+                # the deployment's, unless --task-processes (throughput sets its own)
+                "AGENTOPS_Q_WORKERS": str(
+                    getattr(self, "_task_processes", None) or settings.Q_CLUSTER["workers"]
+                ),
                 "SECRET_KEY": settings.SECRET_KEY,
                 "ALLOWED_HOSTS": ",".join(settings.ALLOWED_HOSTS),
             }
@@ -215,7 +218,7 @@ class Command(BaseCommand):
             "quick": options["quick"],
             "sections": sorted(only),
             "sizes": size,
-            "task_processes_per_worker": self._task_processes,
+            "task_processes_per_worker": self._task_processes or "cores / workers",
             "debug": settings.DEBUG,
         }
 
@@ -530,13 +533,14 @@ def table(report: dict) -> str:
     if results.get("throughput"):
         lines += ["", "step throughput (W runs x K no-op tool steps, real workers)"]
         lines.append(
-            f"  {'tool':<11}{'workers':>8}{'steps/s':>9}{'limit/s':>9}{'ratio':>7}"
+            f"  {'tool':<11}{'workers':>8}{'x procs':>8}{'steps/s':>9}{'limit/s':>9}{'ratio':>7}"
             f"{'commits/step':>14}{'cpu ms/step':>13}{'DBOS/s':>8}"
         )
         for row in results["throughput"]:
             peer = (row.get("dbos") or {}).get("steps_per_s")
             lines.append(
-                f"  {row['agent'].split('.')[-1]:<11}{row['workers']:>8}{_f(row['steps_per_s']):>9}"
+                f"  {row['agent'].split('.')[-1]:<11}{row['workers']:>8}"
+                f"{row.get('task_processes_per_worker', ''):>8}{_f(row['steps_per_s']):>9}"
                 f"{_f(row['insert_commit_per_s']):>9}{_f(row['ratio_to_limit']):>7}"
                 f"{_f(row['commits_per_step']):>14}{_f(row['worker_cpu_ms_per_step']):>13}"
                 f"{_f(peer):>8}"
