@@ -35,9 +35,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from decimal import ROUND_HALF_UP, Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import httpx
 from django.conf import settings
 from django.db import connection
 
@@ -61,6 +60,9 @@ from runs.registry import (
     mask,
     registry,
 )
+
+if TYPE_CHECKING:
+    import httpx
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +201,8 @@ class ChatClient:
         started = time.monotonic()
         attempt = 0
         last_problem = ""
+        import httpx  # here: a worker that never asks a model starts faster without it
+
         with httpx.Client(base_url=config.base_url, headers=headers) as client:
             while True:
                 attempt += 1

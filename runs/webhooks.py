@@ -37,7 +37,6 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
-import httpx
 from django.conf import settings
 from django.db.models import Q
 from django.db.models.functions import Now
@@ -251,6 +250,10 @@ def deliver(delivery: WebhookDelivery) -> bool:
             TIMESTAMP_HEADER: timestamp,
             SIGNATURE_HEADER: sign(token.webhook_secret, timestamp, body),
         }
+        # imported here: every process loads this module (its checkpoint listener), only
+        # the delivering worker needs an HTTP client (worker start-up time, docs/benchmarks.md)
+        import httpx
+
         try:
             response = httpx.post(
                 token.webhook_url,

@@ -24,17 +24,17 @@ def test_a_poll_on_a_lost_connection_returns_nothing_and_the_next_one_reconnects
     monkeypatch, caplog
 ):
     broker = get_broker()
-    real_dequeue = ORM.dequeue
+    real_take = OrmBroker._take
     polls = []
 
-    def dequeue(self):
+    def take(self):
         polls.append(self)
         if len(polls) <= 3:  # the database is away for three polls
             raise OperationalError("terminating connection due to administrator command")
-        return real_dequeue(self)
+        return real_take(self)
 
     sleeps = []
-    monkeypatch.setattr(ORM, "dequeue", dequeue)
+    monkeypatch.setattr(OrmBroker, "_take", take)
     monkeypatch.setattr(broker_module.time, "sleep", sleeps.append)
     broker.enqueue("a signed task")
 
@@ -53,3 +53,43 @@ def test_a_poll_on_a_lost_connection_returns_nothing_and_the_next_one_reconnects
     ]
     assert problems[0].exc_info is None
     assert "task pusher: the database answers again after" in caplog.text
+
+
+@pytest.mark.django_db(transaction=True)
+def test_each_waiting_task_is_handed_out_once_oldest_first():
+    broker = get_broker()
+    for payload in ("first", "second", "third"):
+        broker.enqueue(payload)
+
+    taken = [broker.dequeue() for _ in range(3)]
+
+    assert [[payload for _, payload in tasks] for tasks in taken] == [
+        ["first"],
+        ["second"],
+        ["third"],
+    ]
+    # handed out: locked until django-q2's retry, not handed out again meanwhile
+    assert broker.queue_size() == 0
+    assert broker.lock_size() == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_an_acknowledgement_on_a_lost_connection_is_made_on_a_new_one(monkeypatch):
+    broker = get_broker()
+    broker.enqueue("done")
+    ((task_id, _payload),) = broker.dequeue()
+    real_delete = ORM.delete
+    calls = []
+
+    def delete(self, task_id):
+        calls.append(task_id)
+        if len(calls) == 1:
+            raise OperationalError("server closed the connection unexpectedly")
+        return real_delete(self, task_id)
+
+    monkeypatch.setattr(ORM, "delete", delete)
+
+    broker.acknowledge(task_id)
+
+    assert calls == [task_id, task_id]
+    assert broker.queue_size() + broker.lock_size() == 0

@@ -91,6 +91,10 @@ def _pause(seconds: float, requested: dict[str, bool]) -> None:
 
 class Command(BaseCommand):
     help = "Run a worker: identity, recovery sweeper and the django-q2 cluster."
+    # Django's system checks (URLs, admin, templates, DRF: about 0.3 s) are for a release
+    # (`manage.py check --deploy`) and the test suite, as gunicorn does not run them either:
+    # a worker restarted after a crash is back without them (cold start, docs/benchmarks.md)
+    requires_system_checks: list[str] = []
 
     def add_arguments(self, parser):
         parser.add_argument("--name", default=None, help="stable worker identity (default: host-1)")
