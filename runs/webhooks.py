@@ -35,7 +35,7 @@ import socket
 import time
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import urlsplit, urlunsplit
 
 from django.conf import settings
 from django.db.models import Q
@@ -184,28 +184,51 @@ def encode(payload: Any) -> bytes:
 
 
 def url_refusal(url: str) -> str:
-    """Why this callback URL may not be called (empty when it may). Every address the host
-    resolves to must be public, or inside ``AGENTOPS["WEBHOOK_ALLOWED_NETWORKS"]``: a webhook
-    must not become a way to reach internal services. Checked when a delivery is sent
-    (addresses change); a name that resolves differently between this check and the
-    connection is a residual risk that an egress proxy with its own rules removes."""
+    """Why this callback URL may not be called (empty when it may)."""
+    return checked_address(url)[0]
+
+
+def checked_address(url: str) -> tuple[str, str]:
+    """(why the URL may not be called, or ""; the address to connect to). Every address the
+    host resolves to must be public, or inside ``AGENTOPS["WEBHOOK_ALLOWED_NETWORKS"]``: a
+    webhook must not become a way to reach internal services. Checked when a delivery is
+    sent (addresses change), and the delivery then connects to the address checked here —
+    never to what a second lookup answers (DNS rebinding: a name that resolves to a public
+    address for the check and to an internal one for the connection)."""
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        return "the callback URL must be http(s) with a host"
+        return "the callback URL must be http(s) with a host", ""
     allowed = [
         ipaddress.ip_network(net, strict=False) for net in _conf("WEBHOOK_ALLOWED_NETWORKS", [])
     ]
     try:
         infos = socket.getaddrinfo(parts.hostname, parts.port or 443, proto=socket.IPPROTO_TCP)
     except OSError as exc:
-        return f"cannot resolve {parts.hostname}: {exc}"
-    for info in infos:
-        address = ipaddress.ip_address(str(info[4][0]).split("%")[0])
+        return f"cannot resolve {parts.hostname}: {exc}", ""
+    addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
+    for address in addresses:
         if any(address.version == net.version and address in net for net in allowed):
             continue
         if not address.is_global or address.is_multicast:
-            return f"{parts.hostname} resolves to {address}, a non-public address"
-    return ""
+            return f"{parts.hostname} resolves to {address}, a non-public address", ""
+    if not addresses:
+        return f"cannot resolve {parts.hostname}: no address", ""
+    return "", str(addresses[0])
+
+
+def _pinned_request(url: str, address: str) -> tuple[str, dict[str, str], dict[str, Any]]:
+    """The URL with its host replaced by ``address``, the Host header the receiver expects,
+    and, for https, the name the TLS handshake sends and the certificate is checked against."""
+    parts = urlsplit(url)
+    host = f"[{address}]" if ":" in address else address
+    userinfo = parts.netloc.rpartition("@")[0]
+    netloc = (f"{userinfo}@" if userinfo else "") + host
+    if parts.port:
+        netloc += f":{parts.port}"
+    pinned = urlunsplit((parts.scheme, netloc, parts.path or "/", parts.query, ""))
+    headers = {"Host": parts.netloc.rpartition("@")[2]}
+    extensions = {"sni_hostname": parts.hostname} if parts.scheme == "https" else {}
+    return pinned, headers, extensions
 
 
 # --- delivering ----------------------------------------------------------------------------------
@@ -231,13 +254,13 @@ def _claim(delivery_id: int, attempts: int) -> bool:
 def deliver(delivery: WebhookDelivery) -> bool:
     """Send one delivery (no transaction is open) and record the attempt."""
     token = delivery.token
-    error, status_code = "", None
+    error, status_code, address = "", None, ""
     if not token.webhook_url or token.revoked_at is not None:
         error = "the token no longer has a callback URL"
     elif not token.webhook_secret:
         error = "the token has no webhook secret to sign with"
     else:
-        error = url_refusal(token.webhook_url)
+        error, address = checked_address(token.webhook_url)
     permanent = bool(error)
     if not error:
         body = encode(delivery.payload)
@@ -254,14 +277,17 @@ def deliver(delivery: WebhookDelivery) -> bool:
         # the delivering worker needs an HTTP client (worker start-up time, docs/benchmarks.md)
         import httpx
 
+        url, host_header, extensions = _pinned_request(token.webhook_url, address)
         try:
-            response = httpx.post(
-                token.webhook_url,
-                content=body,
-                headers=headers,
-                timeout=SEND_TIMEOUT,
-                follow_redirects=False,
-            )
+            with httpx.Client(timeout=SEND_TIMEOUT, follow_redirects=False) as client:
+                request = client.build_request(
+                    "POST",
+                    url,
+                    content=body,
+                    headers={**headers, **host_header},
+                    extensions=extensions,
+                )
+                response = client.send(request)
             status_code = response.status_code
             if not 200 <= status_code < 300:
                 error = f"answered {status_code}"

@@ -4,6 +4,7 @@ HTTP receiver, signed, retried after a failure, refused for non-public addresses
 from __future__ import annotations
 
 import json
+import socket
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -234,3 +235,31 @@ def test_worker_alerts_go_to_admin_tokens(admin, receiver, hooked):
     (delivery,) = WebhookDelivery.objects.all()
     assert delivery.token.name == "ops" and delivery.event_type == "alert.raised"
     assert delivery.payload["alert"]["worker"] == "w1"
+
+
+def test_a_delivery_connects_to_the_address_it_checked(monkeypatch, hooked, leased, receiver):
+    """DNS rebinding: the name answers with an allowed address for the check, then with an
+    internal one. The delivery goes to the address that was checked, with the name in the
+    Host header; a second lookup of the name is never used."""
+    port = receiver.server.server_address[1]
+    ApiToken.objects.filter(id=hooked.id).update(webhook_url=f"http://hooks.example:{port}/in")
+    real_getaddrinfo = socket.getaddrinfo
+    answers = iter(["127.0.0.1"])  # the first lookup; every later one says 10.0.0.1
+    lookups = []
+
+    def getaddrinfo(host, port, *args, **kwargs):
+        if host != "hooks.example":
+            return real_getaddrinfo(host, port, *args, **kwargs)
+        lookups.append(host)
+        address = next(answers, "10.0.0.1")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    receiver.statuses = []
+    leased.run_post("finish", {"result": {}})
+
+    assert webhooks_deliver_due() == 1
+    assert lookups == ["hooks.example"]
+    headers, body = receiver.requests[-1]
+    assert headers["Host"] == f"hooks.example:{port}"
+    assert verify_webhook(hooked.webhook_secret, headers, body)["type"] == "run.finished"

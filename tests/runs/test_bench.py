@@ -24,21 +24,36 @@ needs_postgres = pytest.mark.skipif(
 )
 
 
-@pytest.mark.skipif(not settings.IS_SQLITE, reason="the SQLite refusal is checked on SQLite")
-def test_it_refuses_sqlite_with_one_line_and_a_nonzero_exit(tmp_path):
-    env = dict(os.environ, DATABASE_URL=f"sqlite:///{tmp_path / 'x.sqlite3'}")
-    done = subprocess.run(
+def _bench_cli(database_url: str) -> subprocess.CompletedProcess:
+    """``manage.py bench --quick`` as a user runs it, against ``database_url``."""
+    return subprocess.run(
         [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "bench", "--quick"],
         cwd=settings.BASE_DIR,
-        env=env,
+        env=dict(os.environ, DATABASE_URL=database_url),
         capture_output=True,
         text=True,
         timeout=120,
     )
+
+
+@pytest.mark.skipif(not settings.IS_SQLITE, reason="the SQLite refusal is checked on SQLite")
+def test_it_refuses_sqlite_with_one_line_and_a_nonzero_exit(tmp_path):
+    done = _bench_cli(f"sqlite:///{tmp_path / 'x.sqlite3'}")
     assert done.returncode != 0
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1, done.stderr
     assert "bench needs PostgreSQL" in lines[0]
+
+
+@needs_postgres
+def test_a_database_that_does_not_exist_is_one_line_and_a_nonzero_exit():
+    db = settings.DATABASES["default"]
+    url = f"postgres://{db['USER']}@{db['HOST'] or '127.0.0.1'}:{db['PORT'] or 5432}/no_such_db"
+    done = _bench_cli(url)
+    assert done.returncode != 0
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert "cannot connect to the database" in lines[0] and "no_such_db" in lines[0]
 
 
 @pytest.mark.django_db

@@ -27,7 +27,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
-from django.db import connection, connections
+from django.db import OperationalError, connection, connections
 
 from runs.bench import agents, measure
 from runs.bench.database import NotPostgres, bench_database, database_url, require_postgres
@@ -103,8 +103,15 @@ class Command(BaseCommand):
             return
         try:
             require_postgres()
+            connection.ensure_connection()
         except NotPostgres as exc:
             raise CommandError(str(exc)) from None
+        except OperationalError as exc:
+            # e.g. DATABASE_URL names a database that does not exist: one line, not a traceback
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise CommandError(
+                f"cannot connect to the database DATABASE_URL names: {first}"
+            ) from None
         only = set(SECTIONS)
         if options["only"]:
             only = {name.strip() for name in options["only"].split(",") if name.strip()}
