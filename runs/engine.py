@@ -836,16 +836,15 @@ def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) ->
         call.dispatched_at = dispatched_at
         call.status = ToolCall.Status.SUCCEEDED if ok else ToolCall.Status.FAILED
         cp.insert(call)
-        transitions.record_receipt(
+        _record_receipt(
             cp,
+            lease,
             call,
             ok=ok,
             result=output if ok else {"error": error},
             external_ref=result.external_ref if result else "",
             source=ToolReceipt.Source.TOOL,
-            recorded_by=lease.actor,
-            incarnation=lease.fence,
-            at_commit=True,
+            later=True,
         )
         transitions.apply_to_state(cp, run=lease.run, agent=lease.agent, step=step)
     lease.run.steps_used += 1
@@ -1341,32 +1340,32 @@ def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
     with lease.checkpoint() as cp:
         # the receipt and both rows' new status go with the events (one statement on
         # PostgreSQL)
-        transitions.record_receipt(
+        _record_receipt(
             cp,
+            lease,
             call,
             ok=ok,
             result=result.result if result else {"error": error},
             external_ref=result.external_ref if result else "",
             source=ToolReceipt.Source.TOOL,
-            recorded_by=lease.actor,
-            incarnation=lease.fence,
             later=True,
         )
-        transitions.complete_step(
-            cp,
-            run=lease.run,
-            agent=lease.agent,
-            step=step,
-            ok=ok,
-            output=result.result if result else None,
-            error=error,
-            later=True,
+        _complete_step(
+            cp, lease, step, call, ok, result.result if result else None, error, later=True
         )
     return Outcome.CONTINUE
 
 
 def _record_receipt(
-    cp, lease: Lease, call: ToolCall, *, ok: bool, result: Any, external_ref: str, source: str
+    cp,
+    lease: Lease,
+    call: ToolCall,
+    *,
+    ok: bool,
+    result: Any,
+    external_ref: str,
+    source: str,
+    later: bool = False,
 ) -> None:
     transitions.record_receipt(
         cp,
@@ -1377,15 +1376,31 @@ def _record_receipt(
         source=source,
         recorded_by=lease.actor,
         incarnation=lease.fence,
+        later=later,
     )
 
 
 def _complete_step(
-    cp, lease: Lease, step: Step, call: ToolCall, ok: bool, output: Any, error: str
+    cp,
+    lease: Lease,
+    step: Step,
+    call: ToolCall,
+    ok: bool,
+    output: Any,
+    error: str,
+    *,
+    later: bool = False,
 ) -> None:
     """``step_completed``: the outcome applied to the run's state (shares the receipt's commit)."""
     transitions.complete_step(
-        cp, run=lease.run, agent=lease.agent, step=step, ok=ok, output=output, error=error
+        cp,
+        run=lease.run,
+        agent=lease.agent,
+        step=step,
+        ok=ok,
+        output=output,
+        error=error,
+        later=later,
     )
 
 

@@ -41,7 +41,7 @@ class RunNotFound(LookupError):
 def lease_expiry_expression(seconds: float | None = None) -> ExpressionWrapper:
     ttl = settings.AGENTOPS["LEASE_TTL"] if seconds is None else seconds
     expression = ExpressionWrapper(Now() + timedelta(seconds=ttl), output_field=DateTimeField())
-    # recognised by the checkpoint's own UPDATE (_update_run), which writes it without the ORM
+    # recognised by the checkpoint's own UPDATE (_update_sql), which writes it without the ORM
     expression.lease_ttl = float(ttl)
     return expression
 
@@ -255,11 +255,12 @@ def _update_sql(
             return None
         else:
             shape.append((name, "value", None))
-            params.append(value)
+            # through the field (JSON, decimals)
+            params.append(fastsql.prepare(Run._meta.get_field(name), value))
     key = ("update", fence is not None, tuple(shape))
     if key not in _sql_cache:
         quote = connection.ops.quote_name
-        assignments, fields = [], []
+        assignments = []
         for name, kind, source in shape:
             field = Run._meta.get_field(name)
             column = quote(field.column)
@@ -273,37 +274,17 @@ def _update_sql(
                 )
             else:
                 assignments.append(f"{column} = %s")
-            if kind == "value":
-                fields.append(field)
         where = f"{quote('id')} = %s"
         if fence is not None:
             where += f" AND {quote('fence')} = %s"
         _sql_cache[key] = (
-            f"UPDATE {quote(Run._meta.db_table)} SET {', '.join(assignments)} WHERE {where}",
-            fields,
+            f"UPDATE {quote(Run._meta.db_table)} SET {', '.join(assignments)} WHERE {where}"
         )
-    sql, fields = _sql_cache[key]
-    # plain values through their fields (JSON, decimals), in the order they were collected
-    prepared = iter(fields)
-    params = [
-        next(prepared).get_db_prep_save(value, connection) if kind == "value" else value
-        for (_name, kind, _source), value in zip(
-            [item for item in shape if item[1] != "now"], params, strict=True
-        )
-    ]
+    sql = _sql_cache[key]
     params.append(run_id)
     if fence is not None:
         params.append(fence)
     return sql, params
-
-
-def _update_run(run_id: Any, fence: int | None, updates: dict[str, Any]) -> int | None:
-    statement = _update_sql(run_id, fence, updates)
-    if statement is None:
-        return None
-    with connection.cursor() as cursor:
-        cursor.execute(*statement)
-        return cursor.rowcount
 
 
 def _links(obj: models.Model, earlier: list[models.Model]) -> list[tuple[models.Field, int]]:

@@ -38,13 +38,12 @@ def record_receipt(
     source: str,
     recorded_by: str,
     incarnation: int | None,
-    at_commit: bool = False,
     later: bool = False,
 ) -> ToolReceipt:
-    """``receipt_recorded``: the call's outcome, whoever learned it. ``at_commit``: the
-    caller inserts the call with its final status in this same commit (``cp.insert``), and
-    the receipt goes with it (no UPDATE of the call). ``later``: the receipt and the call's
-    new status are written with the commit's events (one statement on PostgreSQL)."""
+    """``receipt_recorded``: the call's outcome, whoever learned it. ``later``: the receipt
+    and the call's new status are written with the commit's events (``cp.insert``,
+    ``cp.update_row``: one statement on PostgreSQL); a call itself still waiting in
+    ``cp.insert`` is inserted with its final status, so it needs no update."""
     receipt = ToolReceipt(
         tool_call=call,
         outcome=ToolReceipt.Outcome.SUCCEEDED if ok else ToolReceipt.Outcome.FAILED,
@@ -55,11 +54,10 @@ def record_receipt(
         incarnation=incarnation,
     )
     call.status = ToolCall.Status.SUCCEEDED if ok else ToolCall.Status.FAILED
-    if at_commit:
+    if later:
         cp.insert(receipt)
-    elif later:
-        cp.insert(receipt)
-        cp.update_row(ToolCall, call.id, status=call.status, updated_at=timezone.now())
+        if not any(obj is call for obj in cp.inserts):
+            cp.update_row(ToolCall, call.id, status=call.status, updated_at=timezone.now())
     else:
         fastsql.insert(receipt)
         fastsql.update(ToolCall, call.id, status=call.status, updated_at=timezone.now())

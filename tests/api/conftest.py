@@ -24,6 +24,13 @@ PAY_SCHEMA = {
 }
 
 
+@pytest.fixture
+def admin(django_user_model):
+    """A superuser: may register remote agents' manifests (test_agents.py has its own: a
+    member of the admin group)."""
+    return django_user_model.objects.create_superuser("root", password="x")
+
+
 def token_for(user, name: str | None = None) -> str:
     _, raw = api_token_create(
         name=name or f"token-{user.username}", principal=user, actor=Actor.system("cli")

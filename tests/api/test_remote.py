@@ -21,11 +21,6 @@ pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("roles")]
 
 
 @pytest.fixture
-def admin(django_user_model):
-    return django_user_model.objects.create_superuser("root", password="x")
-
-
-@pytest.fixture
 def run(admin, operator) -> Run:
     register_remote(admin)
     return remote_run(operator)

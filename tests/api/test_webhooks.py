@@ -63,11 +63,6 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture
-def admin(django_user_model):
-    return django_user_model.objects.create_superuser("root", password="x")
-
-
-@pytest.fixture
 def hooked(operator, receiver) -> ApiToken:
     token, _raw = api_token_create(
         name="hooks", principal=operator, actor=Actor.system("cli"), webhook_url=receiver.url
