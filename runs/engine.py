@@ -29,7 +29,13 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from runs import fastsql, logs, services, tracing, transitions, waits
-from runs.events import Checkpoint, LeaseLost, checkpoint, lease_expiry_expression
+from runs.events import (
+    LIVE_FIELDS,
+    Checkpoint,
+    LeaseLost,
+    checkpoint,
+    lease_expiry_expression,
+)
 from runs.gate import GateRefused, gate_installed, get_gate
 from runs.models import AgentManifest, Run, Step, ToolCall, ToolReceipt
 from runs.queue import enqueue_on_commit
@@ -90,9 +96,19 @@ class Lease:
         return self.claimed_db_time + timedelta(seconds=time.monotonic() - self.claimed_monotonic)
 
     @contextmanager
-    def checkpoint(self, *, locked: Run | None = None) -> Iterator[Checkpoint]:
+    def checkpoint(
+        self, *, locked: Run | None = None, optimistic: bool = False
+    ) -> Iterator[Checkpoint]:
+        """``optimistic``: the body only records (``cp.event/update/insert/update_row``) what
+        this incarnation did, whatever others write meanwhile: written without locking the
+        run first (``events.checkpoint(expect=...)``)."""
         with checkpoint(
-            self.run.id, actor=self.actor, channel="worker", fence=self.fence, locked=locked
+            self.run.id,
+            actor=self.actor,
+            channel="worker",
+            fence=self.fence,
+            locked=locked,
+            expect=self.run if optimistic else None,
         ) as cp:
             yield cp
             if self.decision_usage is not None and "decided" in cp.boundaries:
@@ -109,22 +125,19 @@ class Lease:
                     "boundary": "+".join(cp.boundaries),
                 },
             )
+        if cp.run is not self.run:
+            # where the record ends: the next optimistic checkpoint expects it
+            self.run.event_seq = cp.run.event_seq
+            self.run.last_event_hash = cp.run.last_event_hash
         self.take_operator_changes(cp.run)
 
     def take_operator_changes(self, locked: Run) -> None:
-        """What others may change under a live lease, read from the row the checkpoint
-        locked: an operator's request (honoured at the loop's next turn) and budget limits
-        (an operator may raise them)."""
-        for name in (
-            "requested_action",
-            "requested_by",
-            "requested_reason",
-            "max_steps",
-            "max_cost",
-            "max_tokens",
-            "deadline",
-        ):
-            setattr(self.run, name, getattr(locked, name))
+        """What others may change under a live lease, as the checkpoint read it back: an
+        operator's request (honoured at the loop's next turn) and budget limits (an
+        operator may raise them)."""
+        if locked is not self.run:
+            for name in LIVE_FIELDS:
+                setattr(self.run, name, getattr(locked, name))
 
     def open_step(self) -> Step | None:
         if self.steps and self.steps[-1].status == Step.Status.PENDING:
@@ -740,11 +753,11 @@ def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tr
     ):
         return _read_in_one_commit(lease, step, call, tool)
 
-    with lease.checkpoint() as cp:
-        # a call dispatched now: its step and row go with the events in the commit's one
-        # statement (a decision that cost tokens updates its step in the checkpoint's body,
-        # so that step is inserted at once)
-        at_commit = not (revoked or needs_approval) and lease.decision_usage is None
+    # a call dispatched now: its step and row go with the events in the commit's one
+    # statement (a decision that cost tokens updates its step in the checkpoint's body, so
+    # that step is inserted at once); a hosted agent's such commit only records
+    at_commit = not (revoked or needs_approval) and lease.decision_usage is None
+    with lease.checkpoint(optimistic=at_commit and execute) as cp:
         _record_decided(cp, lease, step, call, at_commit=at_commit)
         if revoked:
             # the decision is kept (the agent is not asked again); it is dispatched, or sent
@@ -824,7 +837,7 @@ def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) ->
         _mark_unknown(lease, call, error)
         return _reconcile(lease, step, call, tool)
     output = result.result if result else None
-    with lease.checkpoint() as cp:
+    with lease.checkpoint(optimistic=True) as cp:
         step.status = Step.Status.COMPLETED if ok else Step.Status.FAILED
         step.output = output
         step.error = error
@@ -1337,7 +1350,7 @@ def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
     if ok is None:
         _mark_unknown(lease, call, error)
         return _reconcile(lease, step, call, tool)
-    with lease.checkpoint() as cp:
+    with lease.checkpoint(optimistic=True) as cp:
         # the receipt and both rows' new status go with the events (one statement on
         # PostgreSQL)
         _record_receipt(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -136,6 +136,20 @@ _LOCKED_FIELDS = (
     "agent_version",
     "principal_id",
     # budget limits: an operator may raise them under a live lease (run_topup_budget)
+    "max_steps",
+    "max_cost",
+    "max_tokens",
+    "deadline",
+)
+
+
+# What others may change while a worker holds the lease (an operator's request, budget limits
+# an operator may raise): every checkpoint reads them back — from the locked row, or from the
+# RETURNING of the write that does not lock (``checkpoint(expect=...)``).
+LIVE_FIELDS = (
+    "requested_action",
+    "requested_by",
+    "requested_reason",
     "max_steps",
     "max_cost",
     "max_tokens",
@@ -303,14 +317,18 @@ def _links(obj: models.Model, earlier: list[models.Model]) -> list[tuple[models.
 def _link(obj: models.Model, inserts: list[models.Model]) -> None:
     for model_field, index in _links(obj, inserts[: inserts.index(obj)]):
         setattr(obj, model_field.attname, inserts[index].pk)
+        # setting the key drops the cached object: keep it (no query to read it back)
+        model_field.set_cached_value(obj, inserts[index])
 
 
-def _write_in_one_statement(cp: Checkpoint, update: tuple[str, list[Any]]) -> int:
+def _write_in_one_statement(cp: Checkpoint, update: tuple[str, list[Any]], expect_seq: int) -> int:
     """PostgreSQL: the checkpoint's rows, its events and the run's UPDATE as one statement of
-    data-modifying CTEs — one round trip instead of one per row (docs/benchmarks.md). A row
-    that references an earlier one (a tool call its step, a receipt its call) takes the key
-    from that row's CTE. Returns the rows the UPDATE changed (0: the lease was lost, and the
-    caller's LeaseLost rolls everything back)."""
+    data-modifying CTEs — one round trip instead of one per row (docs/benchmarks.md). The
+    run's UPDATE comes first and holds only while the run's record still ends at
+    ``expect_seq`` (and, fenced, while the lease is ours); every other row is written FROM
+    it, so when it matches nothing, nothing at all is written. A row that references an
+    earlier one (a tool call its step, a receipt its call) takes the key from that row's CTE.
+    Returns the rows the run's UPDATE changed (0: nothing was written)."""
     links = [dict(_links(obj, cp.inserts[:index])) for index, obj in enumerate(cp.inserts)]
     update_sql, update_params = update
     key = (
@@ -325,20 +343,23 @@ def _write_in_one_statement(cp: Checkpoint, update: tuple[str, list[Any]]) -> in
     )
     if key not in _sql_cache:
         _sql_cache[key] = _one_statement_sql(cp, links, update_sql)
-    sql, plans = _sql_cache[key]
-    params: list[Any] = []
+    sql, plans, event_plan, live = _sql_cache[key]
+    params: list[Any] = [*update_params, expect_seq]
     for obj, plan in zip(cp.inserts, plans, strict=True):
         params += fastsql.row_values(obj, plan, True)
     for model, pk, values in cp.row_updates:
         params += [fastsql.prepare(model._meta.get_field(name), v) for name, v in values.items()]
         params.append(model._meta.pk.get_db_prep_value(pk, connection))
-    _head, _row, event_fields = _sql_cache["events"]
     for event in cp.events:
-        params += fastsql.row_values(event, event_fields, False)
-    params += update_params
+        # created_at is set by _write (an auto_now_add field stamped here would differ from
+        # the time the hash covers): insert as an update would, not stamping it again
+        params += fastsql.row_values(event, event_plan, False)
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
-        *pks, event_pks, rows_updated, updated = cursor.fetchone()
+        row = cursor.fetchone()
+    updated, rows_updated, *pks = row[: -len(live)]
+    if not updated:
+        return 0
     if rows_updated != len(cp.row_updates):
         # what save(update_fields=...) says; rolls the whole checkpoint back
         raise DatabaseError("a row the checkpoint updates is gone")
@@ -347,66 +368,76 @@ def _write_in_one_statement(cp: Checkpoint, update: tuple[str, list[Any]]) -> in
         obj.pk = pk_value
         obj._state.adding = False
         obj._state.db = connection.alias
-    # in VALUES order (one INSERT ... RETURNING)
-    for event, pk_value in zip(cp.events, event_pks, strict=True):
-        event.pk = pk_value
-        event._state.adding = False
-        event._state.db = connection.alias
+    # what others may have changed under the lease, as the UPDATE found the row
+    for (attname, converters, model_field), value in zip(live, row[-len(live) :], strict=True):
+        for converter in converters:
+            value = converter(value, model_field, connection)
+        setattr(cp.run, attname, value)
     return updated
 
 
 def _one_statement_sql(
     cp: Checkpoint, links: list[dict[models.Field, int]], update_sql: str
-) -> tuple[str, list[Any]]:
+) -> tuple[str, list[Any], list[Any], list[Any]]:
     quote = connection.ops.quote_name
-    ctes, plans, selected = [], [], []
+
+    def placeholder(f: models.Field) -> str:
+        # INSERT ... SELECT: a parameter's type is not taken from its column there, so every
+        # non-text one is cast to it (text is left to the column's own length check)
+        if f.get_internal_type() in ("CharField", "TextField"):
+            return "%s"
+        return f"%s::{f.db_type(connection)}"
+
+    live = [Run._meta.get_field(name) for name in LIVE_FIELDS]
+    ctes = [
+        f"up AS ({update_sql} AND {quote(Run._meta.get_field('event_seq').column)} = %s "
+        f"RETURNING {', '.join(quote(f.column) for f in live)})"
+    ]
+    plans, selected = [], []
     for index, (obj, link) in enumerate(zip(cp.inserts, links, strict=True)):
         meta = obj._meta
         fields = [f for f in meta.concrete_fields if not f.primary_key]
         plans.append(fastsql.plan([f for f in fields if f not in link]))
-        columns = ", ".join(quote(f.column) for f in fields)
         table, pk = quote(meta.db_table), quote(meta.pk.column)
-        selected.append(f"(SELECT {pk} FROM i{index})")
-        if not link:
-            values = ", ".join(["%s"] * len(fields))
-            ctes.append(
-                f"i{index} AS (INSERT INTO {table} ({columns}) VALUES ({values}) RETURNING {pk})"
-            )
-            continue
-        # INSERT ... SELECT: a parameter's type is not taken from its column there, so every
-        # non-text one is cast to it (text is left to the column's own length check)
-        exprs = []
-        for f in fields:
-            if f in link:
-                exprs.append(f"i{link[f]}.{quote(cp.inserts[link[f]]._meta.pk.column)}")
-            elif f.get_internal_type() in ("CharField", "TextField"):
-                exprs.append("%s")
-            else:
-                exprs.append(f"%s::{f.db_type(connection)}")
-        sources = ", ".join(sorted({f"i{i}" for i in link.values()}))
+        exprs = [
+            f"i{link[f]}.{quote(cp.inserts[link[f]]._meta.pk.column)}"
+            if f in link
+            else placeholder(f)
+            for f in fields
+        ]
+        sources = ", ".join(["up", *sorted({f"i{i}" for i in link.values()})])
         ctes.append(
-            f"i{index} AS (INSERT INTO {table} ({columns}) "
+            f"i{index} AS (INSERT INTO {table} ({', '.join(quote(f.column) for f in fields)}) "
             f"SELECT {', '.join(exprs)} FROM {sources} RETURNING {pk})"
         )
+        selected.append(f"(SELECT {pk} FROM i{index})")
     for index, (model, _pk, values) in enumerate(cp.row_updates):
         meta = model._meta
+        table = quote(meta.db_table)
         assignments = ", ".join(f"{quote(meta.get_field(name).column)} = %s" for name in values)
         ctes.append(
-            f"u{index} AS (UPDATE {quote(meta.db_table)} SET {assignments} "
-            f"WHERE {quote(meta.pk.column)} = %s RETURNING 1)"
+            f"u{index} AS (UPDATE {table} SET {assignments} FROM up "
+            f"WHERE {table}.{quote(meta.pk.column)} = %s RETURNING 1)"
         )
     counted = " + ".join(f"(SELECT count(*) FROM u{i})" for i in range(len(cp.row_updates)))
-    if "events" not in _sql_cache:
-        _insert_events_sql_init()
-    head, row, _fields = _sql_cache["events"]
-    event_pk = quote(RunEvent._meta.pk.column)
-    ctes.append(f"ev AS ({head}{', '.join([row] * len(cp.events))} RETURNING {event_pk})")
-    ctes.append(f"up AS ({update_sql} RETURNING 1)")
-    sql = (
-        f"WITH {', '.join(ctes)} SELECT {''.join(c + ', ' for c in selected)}"
-        f"ARRAY(SELECT {event_pk} FROM ev), {counted or '0'}, (SELECT count(*) FROM up)"
+    event_fields = [f for f in RunEvent._meta.concrete_fields if not f.primary_key]
+    row = "(" + ", ".join(placeholder(f) for f in event_fields) + ")"
+    ctes.append(
+        f"ev AS (INSERT INTO {quote(RunEvent._meta.db_table)} "
+        f"({', '.join(quote(f.column) for f in event_fields)}) "
+        f"SELECT v.* FROM up, (VALUES {', '.join([row] * len(cp.events))}) AS v)"
     )
-    return sql, plans
+    sql = (
+        f"WITH {', '.join(ctes)} SELECT (SELECT count(*) FROM up), {counted or '0'}"
+        f"{''.join(', ' + c for c in selected)}"
+        f"{''.join(f', (SELECT {quote(f.column)} FROM up)' for f in live)}"
+    )
+    return (
+        sql,
+        plans,
+        fastsql.plan(event_fields),
+        [(f.attname, f.get_db_converters(connection), f) for f in live],
+    )
 
 
 @contextmanager
@@ -418,18 +449,42 @@ def checkpoint(
     fence: int | None = None,
     renew_lease: bool = True,
     locked: Run | None = None,
+    expect: Run | None = None,
 ) -> Iterator[Checkpoint]:
     """Lock the run and append events atomically. With ``fence`` the caller must hold the
     lease: any mismatch raises ``LeaseLost`` and nothing is written. ``locked``: the run
     as the caller read it after locking its row in the transaction this joins (the claim's
-    UPDATE): it is not locked and read again."""
+    UPDATE): it is not locked and read again.
+
+    ``expect`` (a lease holder's hot path): the run as this process last wrote it. On
+    PostgreSQL the row is then not locked first: the body runs against ``expect`` and the
+    commit is ONE statement (outside a transaction: its own) that holds only while the run's
+    record still ends where ``expect`` says (``event_seq``) and the fence is ours. When
+    someone wrote in between (an operator's request, a signal), it wrote nothing, and the
+    checkpoint is written the ordinary way: lock, number the events after the record's new
+    end, write. So the body must decide nothing from the run row that others may change but
+    the ``LIVE_FIELDS`` (read back after the write either way), and may not touch the
+    database itself: only ``cp.event/update/insert/update_row`` (a query in it raises)."""
     started = time.perf_counter()
+    if expect is not None and fence is not None and _raw_sql_ok():
+        cp = Checkpoint(run=expect, actor=actor, channel=channel, fence=fence)
+        with connection.execute_wrapper(_no_queries):
+            yield cp
+        if _write(cp, renew_lease=renew_lease, unlocked=True):
+            for name in cp.boundaries:
+                # outside a transaction the statement committed: fires at once
+                transaction.on_commit(partial(faults.crash_point, name))
+            metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
+            return
+        with transaction.atomic(savepoint=False):
+            cp.run = _lock_or_raise(run_id, fence)
+            _write(cp, renew_lease=renew_lease)
+            for name in cp.boundaries:
+                transaction.on_commit(partial(faults.crash_point, name))
+        metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
+        return
     with transaction.atomic(savepoint=False):
-        run = locked if locked is not None else _lock(run_id, fence)
-        if run is None:
-            if fence is not None and Run.objects.filter(id=run_id).exists():
-                raise LeaseLost(f"run {run_id}: fence {fence} is stale")
-            raise RunNotFound(f"run {run_id} does not exist")
+        run = locked if locked is not None else _lock_or_raise(run_id, fence)
         cp = Checkpoint(run=run, actor=actor, channel=channel, fence=fence)
         yield cp
         _write(cp, renew_lease=renew_lease)
@@ -440,21 +495,50 @@ def checkpoint(
     metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
 
 
+def _lock_or_raise(run_id: Any, fence: int | None) -> Run:
+    run = _lock(run_id, fence)
+    if run is None:
+        if fence is not None and Run.objects.filter(id=run_id).exists():
+            raise LeaseLost(f"run {run_id}: fence {fence} is stale")
+        raise RunNotFound(f"run {run_id} does not exist")
+    return run
+
+
+def _no_queries(execute, sql, params, many, context):
+    raise RuntimeError(
+        "a checkpoint(expect=...) body may not query the database (it holds no lock and "
+        "no transaction): write through the checkpoint, or use a locking checkpoint"
+    )
+
+
 # Called as ``listener(cp)`` inside the checkpoint's transaction, after its events are
-# inserted: whatever a listener writes (webhook deliveries, runs.webhooks) commits or rolls
-# back with the events themselves. Listeners must do no I/O.
-_event_listeners: list[Callable[[Checkpoint], None]] = []
+# inserted, when one of them is of a type the listener asked for: whatever a listener writes
+# (webhook deliveries, runs.webhooks) commits or rolls back with the events themselves.
+# Listeners must do no I/O.
+_event_listeners: list[tuple[Callable[[Checkpoint], None], frozenset[str]]] = []
 
 
-def register_event_listener(listener: Callable[[Checkpoint], None]) -> None:
-    if listener not in _event_listeners:
-        _event_listeners.append(listener)
+def register_event_listener(listener: Callable[[Checkpoint], None], types: Iterable[str]) -> None:
+    if all(known is not listener for known, _types in _event_listeners):
+        _event_listeners.append((listener, frozenset(types)))
 
 
-def _write(cp: Checkpoint, *, renew_lease: bool) -> None:
+def _listeners(cp: Checkpoint) -> list[Callable[[Checkpoint], None]]:
+    return [
+        listener
+        for listener, types in _event_listeners
+        if any(event.type in types for event in cp.events)
+    ]
+
+
+def _write(cp: Checkpoint, *, renew_lease: bool, unlocked: bool = False) -> bool:
+    """Number the events after the run's record, write everything. ``unlocked``: only as
+    the one conditional statement (``checkpoint(expect=...)``); False when it wrote nothing
+    (someone wrote in between, or the commit is not of that shape) — the caller then writes
+    it the locked way."""
     run = cp.run
     prev_hash = run.last_event_hash or anchor_hash(run.id)
-    seq = run.event_seq
+    expect_seq = seq = run.event_seq
     now = timezone.now()
     for event in cp.events:
         seq += 1
@@ -473,10 +557,15 @@ def _write(cp: Checkpoint, *, renew_lease: bool) -> None:
     if updates:
         updates["updated_at"] = now
     update = _update_sql(run.id, cp.fence, updates) if updates else None
-    if (cp.inserts or cp.row_updates) and cp.events and update is not None:
-        updated = _write_in_one_statement(cp, update)
-        for listener in _event_listeners:
+    listeners = _listeners(cp) if cp.events else []
+    if cp.events and update is not None and not (unlocked and listeners):
+        updated = _write_in_one_statement(cp, update, expect_seq)
+        if unlocked and updated != 1:
+            return False
+        for listener in listeners:
             listener(cp)
+    elif unlocked:
+        return False
     else:
         for obj in cp.inserts:
             _link(obj, cp.inserts)
@@ -486,10 +575,10 @@ def _write(cp: Checkpoint, *, renew_lease: bool) -> None:
                 raise DatabaseError(f"{model.__name__} {pk} is gone: not updated")
         if cp.events:
             _insert_events(cp.events)
-            for listener in _event_listeners:
+            for listener in listeners:
                 listener(cp)
         if not updates:
-            return
+            return True
         if update is not None:
             with connection.cursor() as cursor:
                 cursor.execute(*update)
@@ -506,3 +595,4 @@ def _write(cp: Checkpoint, *, renew_lease: bool) -> None:
     for key, value in updates.items():
         if not hasattr(value, "resolve_expression"):
             setattr(run, key, value)
+    return True

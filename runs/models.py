@@ -157,7 +157,8 @@ class Step(models.Model):
         COMPLETED = "completed"
         FAILED = "failed"
 
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps")
+    # no index of its own: step_run_seq_uniq (run, seq) serves lookups by run
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="steps", db_index=False)
     seq = models.PositiveIntegerField()
     kind = models.CharField(max_length=20, choices=Kind.choices)
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.PENDING)
@@ -199,7 +200,10 @@ class ToolCall(models.Model):
     )
 
     step = models.OneToOneField(Step, on_delete=models.CASCADE, related_name="tool_call")
-    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="tool_calls")
+    # no index of its own: toolcall_run_key_uniq (run, idempotency_key) serves it
+    run = models.ForeignKey(
+        Run, on_delete=models.CASCADE, related_name="tool_calls", db_index=False
+    )
     tool_name = models.CharField(max_length=100)
     tool_version = models.CharField(max_length=64)
     effect = models.CharField(max_length=20)
@@ -211,7 +215,7 @@ class ToolCall(models.Model):
     # globally: a fork carries its parent's calls with their keys, and a fork's new call at
     # a seq its family already used either shares that key (the same call: reconciled,
     # never blindly repeated) or takes ``<fork run id>:<seq>`` (a different call).
-    idempotency_key = models.CharField(max_length=100, db_index=True)
+    idempotency_key = models.CharField(max_length=100)
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.PROPOSED)
     attempt_count = models.PositiveIntegerField(default=0)
     dispatched_at = models.DateTimeField(null=True, blank=True)
@@ -237,7 +241,23 @@ class ToolCall(models.Model):
                 name="toolcall_unknown_idx",
                 condition=Q(status="unknown"),
             ),
-            models.Index(fields=["tool_name", "status"], name="toolcall_tool_status_idx"),
+            # a family's call under a key (engine._family_call); no LIKE index: exact lookups
+            models.Index(fields=["idempotency_key"], name="toolcall_key_idx"),
+            # calls not settled yet (metrics); settled calls, nearly all of them, stay out
+            models.Index(
+                fields=["status"],
+                name="toolcall_open_idx",
+                # ToolCall.OPEN (not reachable from Meta)
+                condition=Q(
+                    status__in=[
+                        "proposed",
+                        "awaiting_approval",
+                        "approved",
+                        "dispatching",
+                        "unknown",
+                    ]
+                ),
+            ),
         ]
 
     def __str__(self) -> str:
@@ -409,7 +429,8 @@ class RunEvent(models.Model):
         CLI = "cli"
         WORKER = "worker"
 
-    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="events")
+    # no index of its own: event_run_seq_uniq (run, seq) serves lookups by run
+    run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="events", db_index=False)
     seq = models.PositiveBigIntegerField()
     # Set by checkpoint() and covered by the event's hash, so the stored value must be the
     # hashed one: auto_now_add would replace it at insert and no chain would verify.

@@ -158,7 +158,7 @@ def install() -> None:
     """Called from ``RunsConfig.ready``."""
     from runs.sweeper import register_sweep_hook
 
-    register_event_listener(enqueue_for_checkpoint)
+    register_event_listener(enqueue_for_checkpoint, EVENT_TYPES)
     register_sweep_hook(webhooks_deliver_due)
     try:
         from runs import alerts

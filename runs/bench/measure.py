@@ -261,7 +261,11 @@ class QueryLog:
     def __call__(self, execute, sql, params, many, context):
         self.queries += 1
         verb = sql.lstrip().split(None, 1)[0].upper()
-        if not connection.in_atomic_block and verb in ("INSERT", "UPDATE", "DELETE"):
+        if not connection.in_atomic_block and (
+            verb in ("INSERT", "UPDATE", "DELETE")
+            # a checkpoint's one statement (runs.events): data-modifying CTEs
+            or (verb == "WITH" and any(w in sql for w in ("INSERT INTO", "UPDATE ", "DELETE ")))
+        ):
             self.writes_outside_atomic += 1
         return execute(sql, params, many, context)
 

@@ -5,18 +5,18 @@ from __future__ import annotations
 import threading
 
 import pytest
-from django.db import transaction
+from django.db import connection, transaction
 
 from approvals.models import Approval
 from approvals.services import approval_decide
 from runs import engine
 from runs.actors import Actor
-from runs.events import anchor_hash, checkpoint, event_hash, payload_digest
-from runs.models import AppendOnlyError, Run, RunEvent
+from runs.events import LeaseLost, anchor_hash, checkpoint, event_hash, payload_digest
+from runs.models import AppendOnlyError, Run, RunEvent, Step
 from runs.registry import CallTool, Finish
 from runs.services import run_create, run_terminate
 from tests.conftest import drive
-from tests.support import CountingTool, ScriptedAgent, close_connection, make_tool
+from tests.support import CountingTool, ScriptedAgent, close_connection, expire_lease, make_tool
 
 pytestmark = pytest.mark.usefixtures("roles")
 
@@ -144,6 +144,117 @@ def test_concurrent_writers_never_share_or_skip_a_seq(register, system_actor):
     chain = assert_intact(run.id)
     assert sum(e.type == "run.note" for e in chain) == 30
     assert Run.objects.get(id=run.id).status == Run.Status.SUCCEEDED
+
+
+# --- a lease holder's write without a lock (checkpoint(expect=...)) -------------------------
+
+
+# the write without a lock is PostgreSQL's; elsewhere checkpoint(expect=...) locks as usual
+postgresql_only = pytest.mark.skipif(
+    connection.vendor != "postgresql", reason="the write without a lock is PostgreSQL's"
+)
+
+
+@pytest.fixture
+def noter(register, system_actor) -> Run:
+    register(
+        make_tool("note_read", CountingTool()),
+        ScriptedAgent(
+            "noter",
+            lambda ctx: Finish({}) if ctx.steps else CallTool("note_read", {}),
+            tools=("note_read",),
+        ),
+    )
+    return run_create(agent_name="noter", actor=system_actor)
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True)
+def test_a_write_without_lock_goes_after_what_others_wrote_meanwhile(noter, operator):
+    """The worker's hot path does not lock the run before it records a step: an operator
+    who writes in between (here: asks to terminate) is not overwritten or interleaved — the
+    worker's events follow the operator's in one intact chain, and the worker sees the
+    request."""
+    lease = engine.claim(noter.id, worker="w1")
+    errors: list[BaseException] = []
+
+    def operator_writes() -> None:
+        try:
+            run_terminate(run_id=noter.id, actor=Actor.for_user(operator, "web"), reason="stop")
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            close_connection()
+
+    with lease.checkpoint(optimistic=True) as cp:
+        cp.event("run.note", text="the worker's")
+        cp.update(steps_used=1)
+        # while the worker's commit is being built, holding no lock
+        thread = threading.Thread(target=operator_writes)
+        thread.start()
+        thread.join(timeout=30)
+
+    assert errors == []
+    chain = assert_intact(noter.id)
+    assert [e.type for e in chain[-2:]] == ["run.terminate_requested", "run.note"]
+    run = Run.objects.get(id=noter.id)
+    assert (run.steps_used, run.fence, run.requested_action) == (1, lease.fence, "terminate")
+    # the worker knows where the record ends now, and what the operator asked
+    assert (lease.run.event_seq, lease.run.last_event_hash) == (run.event_seq, run.last_event_hash)
+    assert lease.run.requested_action == Run.Request.TERMINATE
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True)
+def test_a_write_without_lock_reads_back_a_budget_raised_meanwhile(noter):
+    lease = engine.claim(noter.id, worker="w1")
+    with lease.checkpoint(optimistic=True) as cp:
+        cp.event("run.note", text="the worker's")
+        # an operator raised the budget without an event of its own
+        thread = threading.Thread(
+            target=lambda: (
+                Run.objects.filter(id=noter.id).update(max_steps=99),
+                close_connection(),
+            )
+        )
+        thread.start()
+        thread.join(timeout=30)
+
+    assert lease.run.max_steps == 99
+    assert_intact(noter.id)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_zombies_write_without_lock_writes_nothing(noter):
+    zombie = engine.claim(noter.id, worker="w1")
+    expire_lease(noter.id)
+    assert engine.claim(noter.id, worker="w2") is not None
+    before = list(RunEvent.objects.filter(run_id=noter.id).values_list("seq", "type"))
+
+    with pytest.raises(LeaseLost), zombie.checkpoint(optimistic=True) as cp:
+        cp.insert(Step(run_id=noter.id, seq=1, kind=Step.Kind.WAIT, incarnation=zombie.fence))
+        cp.event("step.decided", seq=1)
+        cp.update(steps_used=5)
+
+    assert list(RunEvent.objects.filter(run_id=noter.id).values_list("seq", "type")) == before
+    assert not Step.objects.filter(run_id=noter.id).exists()
+    assert Run.objects.get(id=noter.id).steps_used == 0
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True)
+def test_a_body_without_lock_may_not_touch_the_database(noter):
+    lease = engine.claim(noter.id, worker="w1")
+    before = RunEvent.objects.filter(run_id=noter.id).count()
+
+    with (
+        pytest.raises(RuntimeError, match="may not query"),
+        lease.checkpoint(optimistic=True) as cp,
+    ):
+        cp.event("run.note", text="never written")
+        Step.objects.filter(run_id=noter.id).exists()
+
+    assert RunEvent.objects.filter(run_id=noter.id).count() == before
 
 
 # --- append-only ------------------------------------------------------------------------------
