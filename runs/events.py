@@ -71,31 +71,56 @@ def event_hash(event: RunEvent) -> str:
     return hashlib.sha256("|".join(parts).encode()).hexdigest()
 
 
+class Event:
+    """An event on its way into the record: a ``RunEvent`` row once written, a plain object
+    until then (building a model instance per event cost more than the rest of its write).
+    ``seq``, ``created_at``, ``prev_hash`` and ``hash`` are set by the write."""
+
+    __slots__ = tuple(f.attname for f in RunEvent._meta.concrete_fields if not f.primary_key)
+
+    def __init__(self, **values: Any) -> None:
+        for name in self.__slots__:
+            setattr(self, name, values.get(name))
+
+    def as_model(self) -> RunEvent:
+        return RunEvent(**{name: getattr(self, name) for name in self.__slots__})
+
+
+def _canonical(payload: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """The payload reduced to JSON values (a Decimal budget, a UUID, a datetime become
+    strings) and its digest: what an auditor reads back is what was hashed."""
+    try:
+        text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
+    except TypeError:  # keys of mixed types: sorted once they are all strings
+        payload = json.loads(json.dumps(payload, default=str))
+        text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
+    return json.loads(text), hashlib.sha256(text.encode()).hexdigest()
+
+
 @dataclass
 class Checkpoint:
     run: Run
     actor: str
     channel: str
     fence: int | None
-    events: list[RunEvent] = field(default_factory=list)
+    events: list[Event] = field(default_factory=list)
     updates: dict[str, Any] = field(default_factory=dict)
     boundaries: list[str] = field(default_factory=list)
     inserts: list[models.Model] = field(default_factory=list)
     row_updates: list[tuple[type[models.Model], Any, dict[str, Any]]] = field(default_factory=list)
 
     def event(self, type: str, **payload: Any) -> None:
-        # Stored as JSON: reduce to JSON values now (a Decimal budget, a UUID, a datetime
-        # become strings) so the insert cannot fail and the digest hashed is the digest of
-        # what an auditor reads back.
-        payload = json.loads(json.dumps(payload, default=str))
+        # Stored as JSON: reduced to JSON values now, so the insert cannot fail
+        payload, digest = _canonical(payload)
         self.events.append(
-            RunEvent(
+            Event(
                 run_id=self.run.id,
                 type=type,
                 actor=self.actor,
                 channel=self.channel,
                 incarnation=self.fence if self.fence is not None else self.run.fence,
                 payload=payload,
+                payload_digest=digest,
                 trace_id=self.run.trace_id,
                 span_id=tracing.current_span_id(self.run.trace_id),
             )
@@ -207,37 +232,9 @@ def _lock(run_id: Any, fence: int | None) -> Run | None:
     return None if row is None else Run.from_db(connection.alias, attnames, row)
 
 
-def _insert_events_sql_init() -> None:
-    fields = [f for f in RunEvent._meta.concrete_fields if not f.primary_key]
-    columns = ", ".join(connection.ops.quote_name(f.column) for f in fields)
-    _sql_cache["events"] = (
-        f"INSERT INTO {connection.ops.quote_name(RunEvent._meta.db_table)} ({columns}) VALUES ",
-        "(" + ", ".join(["%s"] * len(fields)) + ")",
-        fastsql.plan(fields),
-    )
-
-
-def _insert_events(events: list[RunEvent]) -> None:
-    if not _raw_sql_ok():
-        RunEvent.objects.bulk_create(events)
-        return
-    if "events" not in _sql_cache:
-        _insert_events_sql_init()
-    head, row, fields = _sql_cache["events"]
-    params: list[Any] = []
-    for event in events:
-        # created_at is set by _write (an auto_now_add field stamped here would differ from
-        # the time the hash covers): insert as an update would, not stamping it again
-        params += fastsql.row_values(event, fields, False)
-    pk = connection.ops.quote_name(RunEvent._meta.pk.column)
-    with connection.cursor() as cursor:
-        cursor.execute(f"{head}{', '.join([row] * len(events))} RETURNING {pk}", params)
-        ids = [r[0] for r in cursor.fetchall()]
-    # the ids come back in VALUES order (a single-statement INSERT ... RETURNING)
-    for event, pk_value in zip(events, ids, strict=True):
-        event.pk = pk_value
-        event._state.adding = False
-        event._state.db = connection.alias
+def _insert_events(events: list[Event]) -> None:
+    """The events alone (a checkpoint that is not one statement: SQLite, an unusual update)."""
+    RunEvent.objects.bulk_create([event.as_model() for event in events])
 
 
 def _update_sql(
@@ -338,22 +335,24 @@ def _write_in_one_statement(cp: Checkpoint, update: tuple[str, list[Any]], expec
             for obj, link in zip(cp.inserts, links, strict=True)
         ),
         tuple((model, tuple(values)) for model, _pk, values in cp.row_updates),
-        len(cp.events),
         update_sql,
     )
     if key not in _sql_cache:
         _sql_cache[key] = _one_statement_sql(cp, links, update_sql)
-    sql, plans, event_plan, live = _sql_cache[key]
+    sql, plans, live = _sql_cache[key]
+    # each row as ONE parameter, a JSON object PostgreSQL maps onto the table's columns
+    # (json_populate_record): adapting a parameter per column cost more CPU than the rest
     params: list[Any] = [*update_params, expect_seq]
     for obj, plan in zip(cp.inserts, plans, strict=True):
-        params += fastsql.row_values(obj, plan, True)
+        params.append(_json({column: field.pre_save(obj, True) for column, field in plan}))
     for model, pk, values in cp.row_updates:
         params += [fastsql.prepare(model._meta.get_field(name), v) for name, v in values.items()]
         params.append(model._meta.pk.get_db_prep_value(pk, connection))
-    for event in cp.events:
-        # created_at is set by _write (an auto_now_add field stamped here would differ from
-        # the time the hash covers): insert as an update would, not stamping it again
-        params += fastsql.row_values(event, event_plan, False)
+    params.append(
+        _json(
+            [{column: getattr(e, attname) for column, attname in _EVENT_COLUMNS} for e in cp.events]
+        )
+    )
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         row = cursor.fetchone()
@@ -376,18 +375,22 @@ def _write_in_one_statement(cp: Checkpoint, update: tuple[str, list[Any]], expec
     return updated
 
 
+# (column, attname) of an event row, as json_populate_recordset fills it
+_EVENT_COLUMNS = [
+    (f.column, f.attname) for f in RunEvent._meta.concrete_fields if not f.primary_key
+]
+
+
+def _json(value: Any) -> str:
+    # datetimes, UUIDs and decimals as their text, which PostgreSQL reads back into the
+    # column's type; JSON columns' values nest as they are
+    return json.dumps(value, default=str, separators=(",", ":"))
+
+
 def _one_statement_sql(
     cp: Checkpoint, links: list[dict[models.Field, int]], update_sql: str
-) -> tuple[str, list[Any], list[Any], list[Any]]:
+) -> tuple[str, list[Any], list[Any]]:
     quote = connection.ops.quote_name
-
-    def placeholder(f: models.Field) -> str:
-        # INSERT ... SELECT: a parameter's type is not taken from its column there, so every
-        # non-text one is cast to it (text is left to the column's own length check)
-        if f.get_internal_type() in ("CharField", "TextField"):
-            return "%s"
-        return f"%s::{f.db_type(connection)}"
-
     live = [Run._meta.get_field(name) for name in LIVE_FIELDS]
     ctes = [
         f"up AS ({update_sql} AND {quote(Run._meta.get_field('event_seq').column)} = %s "
@@ -397,18 +400,20 @@ def _one_statement_sql(
     for index, (obj, link) in enumerate(zip(cp.inserts, links, strict=True)):
         meta = obj._meta
         fields = [f for f in meta.concrete_fields if not f.primary_key]
-        plans.append(fastsql.plan([f for f in fields if f not in link]))
+        # pre_save: the attribute's value, or the stamp of an auto_now(_add) field
+        plans.append([(f.column, f) for f in fields if f not in link])
         table, pk = quote(meta.db_table), quote(meta.pk.column)
         exprs = [
             f"i{link[f]}.{quote(cp.inserts[link[f]]._meta.pk.column)}"
             if f in link
-            else placeholder(f)
+            else f"v.{quote(f.column)}"
             for f in fields
         ]
         sources = ", ".join(["up", *sorted({f"i{i}" for i in link.values()})])
         ctes.append(
             f"i{index} AS (INSERT INTO {table} ({', '.join(quote(f.column) for f in fields)}) "
-            f"SELECT {', '.join(exprs)} FROM {sources} RETURNING {pk})"
+            f"SELECT {', '.join(exprs)} FROM {sources}, "
+            f"json_populate_record(NULL::{table}, %s::json) AS v RETURNING {pk})"
         )
         selected.append(f"(SELECT {pk} FROM i{index})")
     for index, (model, _pk, values) in enumerate(cp.row_updates):
@@ -420,24 +425,19 @@ def _one_statement_sql(
             f"WHERE {table}.{quote(meta.pk.column)} = %s RETURNING 1)"
         )
     counted = " + ".join(f"(SELECT count(*) FROM u{i})" for i in range(len(cp.row_updates)))
-    event_fields = [f for f in RunEvent._meta.concrete_fields if not f.primary_key]
-    row = "(" + ", ".join(placeholder(f) for f in event_fields) + ")"
+    events = quote(RunEvent._meta.db_table)
+    columns = [quote(column) for column, _attname in _EVENT_COLUMNS]
     ctes.append(
-        f"ev AS (INSERT INTO {quote(RunEvent._meta.db_table)} "
-        f"({', '.join(quote(f.column) for f in event_fields)}) "
-        f"SELECT v.* FROM up, (VALUES {', '.join([row] * len(cp.events))}) AS v)"
+        f"ev AS (INSERT INTO {events} ({', '.join(columns)}) "
+        f"SELECT {', '.join('v.' + c for c in columns)} "
+        f"FROM up, json_populate_recordset(NULL::{events}, %s::json) AS v)"
     )
     sql = (
         f"WITH {', '.join(ctes)} SELECT (SELECT count(*) FROM up), {counted or '0'}"
         f"{''.join(', ' + c for c in selected)}"
         f"{''.join(f', (SELECT {quote(f.column)} FROM up)' for f in live)}"
     )
-    return (
-        sql,
-        plans,
-        fastsql.plan(event_fields),
-        [(f.attname, f.get_db_converters(connection), f) for f in live],
-    )
+    return sql, plans, [(f.attname, f.get_db_converters(connection), f) for f in live]
 
 
 @contextmanager
@@ -544,7 +544,6 @@ def _write(cp: Checkpoint, *, renew_lease: bool, unlocked: bool = False) -> bool
         seq += 1
         event.seq = seq
         event.created_at = now
-        event.payload_digest = payload_digest(event.payload)
         event.prev_hash = prev_hash
         event.hash = event_hash(event)
         prev_hash = event.hash
