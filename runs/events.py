@@ -86,17 +86,6 @@ class Event:
         return RunEvent(**{name: getattr(self, name) for name in self.__slots__})
 
 
-def _canonical(payload: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The payload reduced to JSON values (a Decimal budget, a UUID, a datetime become
-    strings) and its digest: what an auditor reads back is what was hashed."""
-    try:
-        text = json.dumps(payload, sort_keys=True, separators=(",", ":"), default=str)
-    except TypeError:  # keys of mixed types: sorted once they are all strings
-        payload = json.loads(json.dumps(payload, default=str))
-        text = json.dumps(payload, sort_keys=True, separators=(",", ":"))
-    return json.loads(text), hashlib.sha256(text.encode()).hexdigest()
-
-
 @dataclass
 class Checkpoint:
     run: Run
@@ -110,8 +99,11 @@ class Checkpoint:
     row_updates: list[tuple[type[models.Model], Any, dict[str, Any]]] = field(default_factory=list)
 
     def event(self, type: str, **payload: Any) -> None:
-        # Stored as JSON: reduced to JSON values now, so the insert cannot fail
-        payload, digest = _canonical(payload)
+        # Stored as JSON: reduce to JSON values now (a Decimal budget, a UUID, a datetime
+        # become strings) so the insert cannot fail and the digest hashed (at the write: the
+        # payload may still be amended in the checkpoint's body) is the digest of what an
+        # auditor reads back.
+        payload = json.loads(json.dumps(payload, default=str))
         self.events.append(
             Event(
                 run_id=self.run.id,
@@ -120,7 +112,6 @@ class Checkpoint:
                 channel=self.channel,
                 incarnation=self.fence if self.fence is not None else self.run.fence,
                 payload=payload,
-                payload_digest=digest,
                 trace_id=self.run.trace_id,
                 span_id=tracing.current_span_id(self.run.trace_id),
             )
@@ -544,6 +535,7 @@ def _write(cp: Checkpoint, *, renew_lease: bool, unlocked: bool = False) -> bool
         seq += 1
         event.seq = seq
         event.created_at = now
+        event.payload_digest = payload_digest(event.payload)
         event.prev_hash = prev_hash
         event.hash = event_hash(event)
         prev_hash = event.hash

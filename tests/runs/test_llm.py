@@ -17,6 +17,7 @@ from django.db import transaction
 
 from agentops.demo.llm_agents import LLMRefundAgent
 from runs import faults
+from runs.audit import verify_run
 from runs.llm import LLMAgent, LLMConfig, ModelCallInTransaction, tool_schema
 from runs.models import Run, Step, ToolCall
 from runs.registry import CallTool, Decision, DecisionContext, registry
@@ -113,6 +114,8 @@ def test_tokens_and_cost_of_each_decision_are_recorded_on_its_step_and_the_run(
     decided = events(run.id, "step.decided")
     assert decided[1].payload["usage"]["prompt_tokens"] == 300
     assert decided[1].payload["usage"]["model"] == "fake-model-2026"
+    # the usage joins the event in its commit: an auditor's check of the chain still holds
+    assert verify_run(run) is None
 
 
 @pytest.mark.django_db
