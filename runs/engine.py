@@ -1620,11 +1620,13 @@ def _finish(
     detail: str = "",
     seq: int | None = None,
 ) -> None:
-    with lease.checkpoint() as cp:
+    # a decision that cost tokens updates its step in the body (_record_decision_usage), so
+    # that step is inserted at once; otherwise the commit only records, without a lock
+    at_commit = lease.decision_usage is None
+    with lease.checkpoint(optimistic=at_commit) as cp:
         if seq is not None:
             kind = Step.Kind.FINISH if status == Run.Status.SUCCEEDED else Step.Kind.FAIL
-            step = fastsql.create(
-                Step,
+            step = Step(
                 run_id=lease.run.id,
                 seq=seq,
                 kind=kind,
@@ -1633,6 +1635,10 @@ def _finish(
                 incarnation=lease.fence,
                 completed_at=timezone.now(),
             )
+            if at_commit:
+                cp.insert(step)
+            else:
+                fastsql.insert(step)
             lease.steps.append(step)
             cp.event("step.decided", seq=seq, kind=kind)
             cp.update(steps_used=F("steps_used") + 1)

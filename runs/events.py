@@ -13,7 +13,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -455,7 +455,8 @@ def checkpoint(
     checkpoint is written the ordinary way: lock, number the events after the record's new
     end, write. So the body must decide nothing from the run row that others may change but
     the ``LIVE_FIELDS`` (read back after the write either way), and may not touch the
-    database itself: only ``cp.event/update/insert/update_row`` (a query in it raises)."""
+    database itself: only ``cp.event/update/insert/update_row`` (a query in it raises; an
+    ``on_commit`` callback would run at once, before the write: none either)."""
     started = time.perf_counter()
     if expect is not None and fence is not None and _raw_sql_ok():
         cp = Checkpoint(run=expect, actor=actor, channel=channel, fence=fence)
@@ -549,12 +550,16 @@ def _write(cp: Checkpoint, *, renew_lease: bool, unlocked: bool = False) -> bool
         updates["updated_at"] = now
     update = _update_sql(run.id, cp.fence, updates) if updates else None
     listeners = _listeners(cp) if cp.events else []
-    if cp.events and update is not None and not (unlocked and listeners):
-        updated = _write_in_one_statement(cp, update, expect_seq)
+    if cp.events and update is not None:
+        # without a lock and outside a transaction, a listener's rows need one with the events
+        joined = unlocked and listeners and not connection.in_atomic_block
+        with transaction.atomic(savepoint=False) if joined else nullcontext():
+            updated = _write_in_one_statement(cp, update, expect_seq)
+            if updated == 1:
+                for listener in listeners:
+                    listener(cp)
         if unlocked and updated != 1:
             return False
-        for listener in listeners:
-            listener(cp)
     elif unlocked:
         return False
     else:

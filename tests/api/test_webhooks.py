@@ -14,13 +14,15 @@ import pytest
 from django.utils import timezone
 
 from agentops.client import WebhookVerificationError, verify_webhook
-from runs import remote
+from runs import engine, remote
 from runs.actors import Actor
 from runs.models import ApiToken, Run, WebhookDelivery
+from runs.registry import Finish
+from runs.services import run_create
 from runs.tokens import api_token_create
 from runs.webhooks import url_refusal, webhooks_deliver_due
 from tests.api.remote_support import Agent, register_remote, remote_run
-from tests.support import expire_lease
+from tests.support import ScriptedAgent, expire_lease
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("roles")]
 
@@ -258,3 +260,19 @@ def test_a_delivery_connects_to_the_address_it_checked(monkeypatch, hooked, leas
     headers, body = receiver.requests[-1]
     assert headers["Host"] == f"hooks.example:{port}"
     assert verify_webhook(hooked.webhook_secret, headers, body)["type"] == "run.finished"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_hosted_run_finished_by_a_worker_gets_its_delivery(register, hooked, operator):
+    """A worker records a finish without locking the run first (runs.events,
+    ``checkpoint(expect=...)``): the delivery is still written in the same commit as the
+    event that causes it."""
+    register(ScriptedAgent("hooked_quick", lambda ctx: Finish({"ok": True}), tools=()))
+    run = run_create(agent_name="hooked_quick", actor=Actor.for_user(operator, "api"))
+
+    assert engine.advance(run.id, worker="w1") == "parked"
+
+    assert Run.objects.get(id=run.id).status == Run.Status.SUCCEEDED
+    delivery = WebhookDelivery.objects.get(run_id=run.id)
+    assert (delivery.token_id, delivery.event_type) == (hooked.id, "run.finished")
+    assert delivery.payload["run"]["status"] == "succeeded"
