@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
+from functools import cached_property
 from typing import Any
 
 import jsonschema
@@ -134,8 +135,15 @@ class Tool:
                 }
             )[:16]
 
+    @cached_property
+    def _validator(self) -> jsonschema.Draft202012Validator:
+        # built once per tool, not at every call (the engine validates every decided call)
+        return jsonschema.Draft202012Validator(self.schema)
+
     def validate(self, arguments: Any) -> list[str]:
-        validator = jsonschema.Draft202012Validator(self.schema)
+        validator = self._validator
+        if validator.is_valid(arguments):
+            return []
         return [
             f"{'/'.join(str(p) for p in error.absolute_path) or '(root)'}: {error.message}"
             for error in sorted(validator.iter_errors(arguments), key=lambda e: list(e.path))
