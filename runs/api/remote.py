@@ -53,6 +53,19 @@ def _json_value(value: Any) -> Any:
     return value
 
 
+def _input(serializer: type[serializers.Serializer], request) -> dict[str, Any]:
+    """The request's body, validated by ``serializer`` (else ``validation_error``)."""
+    payload = serializer(data=request.data)
+    payload.is_valid(raise_exception=True)
+    return payload.validated_data
+
+
+def _recorded(body: Any, *, replayed: bool) -> Response:
+    """201 for what this request recorded; 200 for a retry answered with what its first
+    attempt recorded (a step, a proposal, a wait)."""
+    return Response(body, status=status.HTTP_200_OK if replayed else status.HTTP_201_CREATED)
+
+
 class FenceSerializer(serializers.Serializer):
     fence = serializers.IntegerField(min_value=1, max_value=MAX_FENCE, help_text=FENCE_HELP)
 
@@ -184,10 +197,9 @@ class LeaseApi(APIView):
         },
     )
     def post(self, request, run_id):
-        payload = LeaseInputSerializer(data=request.data)
-        payload.is_valid(raise_exception=True)
+        data = _input(LeaseInputSerializer, request)
         grant = remote.remote_lease_acquire(
-            run_id=run_id, actor=actor_for(request), owner=payload.validated_data["owner"]
+            run_id=run_id, actor=actor_for(request), owner=data["owner"]
         )
         return Response(LeaseSerializer(grant).data)
 
@@ -202,10 +214,9 @@ class LeaseHeartbeatApi(APIView):
         },
     )
     def post(self, request, run_id):
-        payload = FenceSerializer(data=request.data)
-        payload.is_valid(raise_exception=True)
+        data = _input(FenceSerializer, request)
         run = remote.remote_lease_heartbeat(
-            run_id=run_id, fence=payload.validated_data["fence"], actor=actor_for(request)
+            run_id=run_id, fence=data["fence"], actor=actor_for(request)
         )
         return Response(LeaseStatusSerializer(run).data)
 
@@ -220,10 +231,9 @@ class LeaseReleaseApi(APIView):
         },
     )
     def post(self, request, run_id):
-        payload = FenceSerializer(data=request.data)
-        payload.is_valid(raise_exception=True)
+        data = _input(FenceSerializer, request)
         run = remote.remote_lease_release(
-            run_id=run_id, fence=payload.validated_data["fence"], actor=actor_for(request)
+            run_id=run_id, fence=data["fence"], actor=actor_for(request)
         )
         return Response(LeaseStatusSerializer(run).data)
 
@@ -282,9 +292,7 @@ class StepApi(APIView):
         },
     )
     def post(self, request, run_id):
-        payload = StepInputSerializer(data=request.data)
-        payload.is_valid(raise_exception=True)
-        data = payload.validated_data
+        data = _input(StepInputSerializer, request)
         recorded = remote.remote_step_record(
             run_id=run_id,
             fence=data["fence"],
@@ -296,10 +304,7 @@ class StepApi(APIView):
             tokens=data["tokens"],
             seq=data.get("seq"),
         )
-        return Response(
-            StepSerializer(recorded.step).data,
-            status=status.HTTP_200_OK if recorded.replayed else status.HTTP_201_CREATED,
-        )
+        return _recorded(StepSerializer(recorded.step).data, replayed=recorded.replayed)
 
 
 class ProposeInputSerializer(FenceSerializer):
@@ -352,9 +357,7 @@ class ProposeApi(APIView):
         },
     )
     def post(self, request, run_id):
-        payload = ProposeInputSerializer(data=request.data)
-        payload.is_valid(raise_exception=True)
-        data = payload.validated_data
+        data = _input(ProposeInputSerializer, request)
         proposal = remote.remote_toolcall_propose(
             run_id=run_id,
             fence=data["fence"],
@@ -363,10 +366,7 @@ class ProposeApi(APIView):
             arguments=data["arguments"],
             precondition=data["precondition"],
         )
-        return Response(
-            ProposalSerializer(proposal).data,
-            status=status.HTTP_200_OK if proposal.replayed else status.HTTP_201_CREATED,
-        )
+        return _recorded(ProposalSerializer(proposal).data, replayed=proposal.replayed)
 
 
 class DispatchInputSerializer(FenceSerializer):
@@ -400,13 +400,12 @@ class DispatchApi(APIView):
         },
     )
     def post(self, request, tool_call_id):
-        payload = DispatchInputSerializer(data=request.data)
-        payload.is_valid(raise_exception=True)
+        data = _input(DispatchInputSerializer, request)
         dispatch = remote.remote_toolcall_dispatch(
             tool_call_id=tool_call_id,
-            fence=payload.validated_data["fence"],
+            fence=data["fence"],
             actor=actor_for(request),
-            precondition=payload.validated_data["precondition"],
+            precondition=data["precondition"],
         )
         return Response(DispatchSerializer(dispatch).data)
 
@@ -444,9 +443,7 @@ class ReceiptApi(APIView):
         },
     )
     def post(self, request, tool_call_id):
-        payload = ReceiptInputSerializer(data=request.data)
-        payload.is_valid(raise_exception=True)
-        data = payload.validated_data
+        data = _input(ReceiptInputSerializer, request)
         remote.remote_toolcall_receipt(
             tool_call_id=tool_call_id,
             fence=data["fence"],
@@ -485,9 +482,7 @@ class FinishApi(APIView):
         },
     )
     def post(self, request, run_id):
-        payload = FinishInputSerializer(data=request.data)
-        payload.is_valid(raise_exception=True)
-        data = payload.validated_data
+        data = _input(FinishInputSerializer, request)
         run = remote.remote_run_finish(
             run_id=run_id,
             fence=data["fence"],
@@ -681,11 +676,8 @@ class WaitApi(APIView):
     )
     def post(self, request, run_id):
         kind = request.data.get("kind") if isinstance(request.data, dict) else None
-        payload = WAIT_INPUTS.get(kind if isinstance(kind, str) else "", WaitInputSerializer)(
-            data=request.data
-        )
-        payload.is_valid(raise_exception=True)
-        data = payload.validated_data
+        serializer = WAIT_INPUTS.get(kind if isinstance(kind, str) else "", WaitInputSerializer)
+        data = _input(serializer, request)
         begun = remote.remote_wait_begin(
             run_id=run_id,
             fence=data["fence"],
@@ -693,10 +685,7 @@ class WaitApi(APIView):
             action=_wait_action(data),
             seq=data.get("seq"),
         )
-        return Response(
-            WaitSerializer(begun).data,
-            status=status.HTTP_200_OK if begun.replayed else status.HTTP_201_CREATED,
-        )
+        return _recorded(WaitSerializer(begun).data, replayed=begun.replayed)
 
 
 # --- signals (issue 5) ----------------------------------------------------------------------------
@@ -754,9 +743,7 @@ class SignalApi(APIView):
         },
     )
     def post(self, request, run_id):
-        payload = SignalInputSerializer(data=request.data)
-        payload.is_valid(raise_exception=True)
-        data = payload.validated_data
+        data = _input(SignalInputSerializer, request)
         if not Run.objects.filter(id=run_id).exists():
             raise ApiError("not_found", "Not found.")
         signal = run_signal(

@@ -10,23 +10,10 @@ from runs.actors import Actor
 from runs.models import Run, Signal, Step, ToolCall
 from runs.waits import run_signal
 from tests.api.conftest import assert_error
-from tests.api.remote_support import Agent, register_remote, remote_run
+from tests.api.remote_support import Agent
 from tests.support import expire_lease
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("roles")]
-
-
-@pytest.fixture
-def run(admin, operator) -> Run:
-    register_remote(admin)
-    return remote_run(operator)
-
-
-@pytest.fixture
-def leased(run, as_operator) -> Agent:
-    agent = Agent(as_operator, run.id)
-    assert agent.lease(owner="proc-1").status_code == 200
-    return agent
 
 
 def _seq(run: Run) -> int:

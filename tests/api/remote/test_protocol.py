@@ -14,27 +14,10 @@ from runs.actors import Actor
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.services import run_pause, run_terminate
 from tests.api.conftest import assert_error, start
-from tests.api.remote_support import Agent, register_remote, remote_run
+from tests.api.remote_support import Agent
 from tests.support import event_types, events, expire_lease, rewind
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("roles")]
-
-
-@pytest.fixture
-def run(admin, operator) -> Run:
-    register_remote(admin)
-    return remote_run(operator)
-
-
-@pytest.fixture
-def agent(run, as_operator) -> Agent:
-    return Agent(as_operator, run.id)
-
-
-@pytest.fixture
-def leased(agent) -> Agent:
-    assert agent.lease(owner="proc-1").status_code == 200
-    return agent
 
 
 def _seq(run: Run) -> int:
@@ -235,7 +218,7 @@ def test_propose_refused_for_arguments_breaking_the_schema(run, leased):
 
 def test_one_open_call_at_a_time(run, leased):
     leased.propose("lookup", {})
-    # another call (a retry of the same one gets that call: tests/api/test_remote_retries.py)
+    # another call (a retry of the same one gets that call: tests/api/remote/test_retries.py)
     assert_error(leased.propose("notify", {}), 409, "invalid_state")
     assert_error(leased.propose("lookup", {"other": 1}), 409, "invalid_state")
     assert_error(leased.run_post("steps", {}), 409, "invalid_state")

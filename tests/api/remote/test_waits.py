@@ -26,25 +26,12 @@ from runs.tokens import api_token_create
 from runs.waits import question_answer, run_signal
 from runs.webhooks import webhooks_deliver_due
 from tests.api.conftest import assert_error, start, token_for
-from tests.api.remote_support import Agent, register_remote, remote_run
+from tests.api.remote_support import Agent
 from tests.api.test_webhooks import Receiver
 from tests.runs.wait_support import fall_due
 from tests.support import event_types, events, expire_lease
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("roles")]
-
-
-@pytest.fixture
-def run(admin, operator) -> Run:
-    register_remote(admin)
-    return remote_run(operator)
-
-
-@pytest.fixture
-def leased(run, as_operator) -> Agent:
-    agent = Agent(as_operator, run.id)
-    assert agent.lease(owner="proc-1").status_code == 200
-    return agent
 
 
 @pytest.fixture

@@ -1,0 +1,291 @@
+"""The lease a remote agent process holds: claimed with the engine's compare-and-set
+(``remote_lease_acquire``, with the resume checks), rebuilt from the record for every
+write (``_held``: ``LeaseLost`` unless the fence is current and live), heartbeated,
+released, and expired by the sweeper (``remote_leases_expire``)."""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, cast
+
+from django.conf import settings
+from django.db.models import F
+from django.db.models.functions import Now
+
+from runs import engine
+from runs.actors import Actor
+from runs.dbtime import db_now
+from runs.events import LeaseLost, RunNotFound, checkpoint
+from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.registry import Effect, UnknownTool, registry
+from runs.remote.manifest import is_remote
+from runs.remote.resume import resume_packet
+from runs.services import BudgetExhausted, InvalidState
+
+WAITING_FOR_PROCESS = "waiting for an agent process"
+
+
+class LeaseHeld(InvalidState):
+    code = "lease_held"
+
+
+@dataclass
+class RemoteLease(engine.Lease):
+    """The engine's ``Lease`` for an agent process: events name the API actor, and every
+    write also requires the run still to be ``running`` (a released or expired lease keeps
+    its fence until the next claim)."""
+
+    @property
+    def actor(self) -> str:
+        return self.worker
+
+    @contextmanager
+    def checkpoint(self, *, locked: Run | None = None, optimistic: bool = False):
+        # always locks (``optimistic`` is the hosted worker's): every write checks the row
+        with checkpoint(
+            self.run.id, actor=self.actor, channel="api", fence=self.fence, locked=locked
+        ) as cp:
+            if cp.run.status != Run.Status.RUNNING:
+                raise LeaseLost(
+                    f"run {self.run.id} is {cp.run.status}: this lease was released; claim it again"
+                )
+            yield cp
+        self.take_operator_changes(cp.run)
+
+
+def _owner(actor: Actor, owner: str) -> str:
+    return f"{actor.label}#{owner}"[:200] if owner else actor.label[:200]
+
+
+def _require_remote(run_id: Any) -> Run:
+    run = Run.objects.filter(id=run_id).only("id", "agent_name").first()
+    if run is None:
+        raise RunNotFound(f"run {run_id} does not exist")
+    if not is_remote(run.agent_name):
+        raise InvalidState(
+            f"{run.agent_name} is a hosted agent: its runs are advanced by workers, not leased"
+        )
+    return run
+
+
+def _held(run_id: Any, fence: int, actor: Actor) -> RemoteLease:
+    """The caller's lease, rebuilt from the record; ``LeaseLost`` unless ``fence`` is the
+    current incarnation's and its lease is live."""
+    actor.require("runs.operate_run")
+    _require_remote(run_id)
+    run = (
+        Run.objects.select_related("principal")
+        .filter(id=run_id, fence=fence, status=Run.Status.RUNNING, lease_expires_at__gt=Now())
+        .first()
+    )
+    if run is None:
+        raise LeaseLost(f"fence {fence} does not hold run {run_id}'s lease; claim it again")
+    return RemoteLease(
+        run=run,
+        fence=fence,
+        worker=run.lease_owner or actor.label,
+        recovered=False,
+        agent=registry.agent(run.agent_name),
+        steps=list(Step.objects.filter(run_id=run_id).order_by("seq")),
+        claimed_db_time=db_now(),
+    )
+
+
+def _honour_request(lease: RemoteLease) -> None:
+    """An operator asked to pause or terminate while this process held the lease: honoured
+    at this boundary (after any receipt), and the process is told its lease is gone."""
+    if not lease.run.requested_action:
+        return
+    action, by = lease.run.requested_action, lease.run.requested_by
+    if engine._honour_request(lease):
+        raise LeaseLost(f"{by} asked to {action} the run: the lease is released")
+
+
+def _check_budget(lease: RemoteLease) -> None:
+    exhausted = engine._budget_exhausted(lease)
+    if exhausted:
+        engine._park_needs_attention(lease, Run.Reason.BUDGET_EXHAUSTED, exhausted)
+        raise BudgetExhausted(exhausted + "; the run now needs a person (top up its budget)")
+
+
+def _open_step_call(lease: RemoteLease) -> tuple[Step, ToolCall] | None:
+    step = lease.open_step()
+    if step is None or step.kind != Step.Kind.TOOL_CALL:
+        return None
+    return step, ToolCall.objects.select_related("step").get(step=step)
+
+
+def _settle_open_step(lease: RemoteLease) -> None:
+    """At claim, as the engine does in ``_continue_step``: a call left in flight by an earlier
+    incarnation becomes ``unknown`` (never silently dispatched again); a rejected or
+    cancelled one fails its step; a receipt recorded without its step completing completes
+    it; a retired or changed tool follows the engine's rules. An ``unsafe`` unknown outcome
+    goes to a person. An open wait (claimed because its timer or timeout fell due before the
+    sweeper ended it) ends here as the engine's ``_continue_wait`` ends it, or parks again."""
+    step = lease.open_step()
+    if step is not None and step.kind == Step.Kind.WAIT:
+        engine._continue_wait(lease, step)
+        return
+    found = _open_step_call(lease)
+    if found is None:
+        return
+    step, call = found
+    try:
+        tool = registry.tool(call.tool_name)
+    except UnknownTool:
+        tool = None
+    if tool is None or tool.version != call.tool_version:
+        engine._tool_changed(lease, step, call, tool)
+        return
+    if call.status == ToolCall.Status.DISPATCHING:
+        engine._mark_unknown(
+            lease, call, f"left in dispatching by incarnation {call.dispatch_incarnation}"
+        )
+    if call.status == ToolCall.Status.UNKNOWN and tool.effect == Effect.UNSAFE:
+        engine._park_needs_attention(
+            lease,
+            Run.Reason.UNKNOWN_OUTCOME,
+            f"{tool.name} (unsafe) may or may not have acted: {call.last_error}",
+        )
+    elif call.status == ToolCall.Status.REJECTED:
+        engine._fail_step(lease, step, f"approval rejected: {call.last_error}".rstrip(": "))
+    elif call.status == ToolCall.Status.CANCELLED:
+        engine._fail_step(lease, step, "tool call cancelled")
+    elif call.status in (ToolCall.Status.SUCCEEDED, ToolCall.Status.FAILED):
+        receipt = ToolReceipt.objects.get(tool_call=call)
+        with lease.checkpoint() as cp:
+            engine._complete_step(
+                cp,
+                lease,
+                step,
+                call,
+                receipt.outcome == ToolReceipt.Outcome.SUCCEEDED,
+                receipt.result,
+                "",
+            )
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    run_id: Any
+    fence: int
+    lease_expires_at: datetime
+    resume: dict[str, Any]
+
+    @property
+    def lease_ttl_seconds(self) -> float:
+        return float(settings.AGENTOPS["LEASE_TTL"])
+
+
+def remote_lease_acquire(*, run_id: Any, actor: Actor, owner: str = "") -> LeaseGrant:
+    """Claim a remote run's lease with the engine's compare-and-set. ``LeaseHeld`` when
+    another process holds a live lease; ``InvalidState`` when the run is not runnable. The
+    resume checks of DESIGN §5 run here, before the process decides anything."""
+    actor.require("runs.operate_run")
+    _require_remote(run_id)
+    lease = engine.claim(run_id, worker=_owner(actor, owner), remote=True, lease_type=RemoteLease)
+    if lease is None:
+        run = Run.objects.get(id=run_id)
+        if run.status == Run.Status.RUNNING and run.lease_expires_at is not None:
+            raise LeaseHeld(
+                f"{run.lease_owner} holds the lease until {run.lease_expires_at.isoformat()}"
+            )
+        raise InvalidState(f"the run is {run.status}; only a queued or running run is leased")
+    lease = cast(RemoteLease, lease)
+    if lease.run.reason_detail == WAITING_FOR_PROCESS:
+        with lease.checkpoint() as cp:
+            cp.update(reason_detail="")
+    if lease.agent is None:
+        engine._park_needs_attention(
+            lease,
+            Run.Reason.INCOMPATIBLE_AGENT_VERSION,
+            f"agent {lease.run.agent_name!r} is not registered",
+        )
+    else:
+        migrated_from = lease.run.agent_version
+        if engine._migrate_agent_version(lease):
+            recoveries = lease.run.recovery_count - lease.run.recovery_count_at_retry
+            if recoveries > settings.AGENTOPS["MAX_RECOVERIES"]:
+                engine._park_needs_attention(
+                    lease,
+                    Run.Reason.RECOVERY_LIMIT,
+                    f"recovered {recoveries} times (limit {settings.AGENTOPS['MAX_RECOVERIES']})",
+                )
+            else:
+                revoked = engine._principal_refusal(lease, tool=None)
+                if revoked:
+                    engine._pause_principal_revoked(lease, revoked)
+                else:
+                    _settle_open_step(lease)
+    run = Run.objects.get(id=run_id)
+    if run.status == Run.Status.WAITING_EVENT:
+        raise InvalidState(
+            "the run is waiting_event: nothing has ended its wait yet (the run.wait_ended "
+            "webhook says when something does)"
+        )
+    if run.status != Run.Status.RUNNING or run.fence != lease.fence:
+        raise InvalidState(
+            f"the run is {run.status} ({run.reason_code}): {run.reason_detail}".strip(": ")
+        )
+    packet = resume_packet(run)
+    if lease.agent is not None and migrated_from != run.agent_version:
+        packet["migrated_from"] = migrated_from
+        packet["migrations"] = [
+            {"from": source, "to": target, "description": lease.agent.migration_notes.get(source)}
+            for source, target, _fn in lease.agent.migration_path(migrated_from) or []
+        ]
+    return LeaseGrant(
+        run_id=run.id, fence=run.fence, lease_expires_at=run.lease_expires_at, resume=packet
+    )
+
+
+def remote_lease_heartbeat(*, run_id: Any, fence: int, actor: Actor) -> Run:
+    """Extend the lease by its TTL. Pause and terminate requests are reported
+    (``requested_action``), to be honoured after any call in flight has its receipt."""
+    lease = _held(run_id, fence, actor)
+    with lease.checkpoint() as cp:
+        cp.update(lease_expires_at=engine.lease_expiry_expression())
+    return Run.objects.get(id=run_id)
+
+
+def remote_lease_release(*, run_id: Any, fence: int, actor: Actor) -> Run:
+    """Give the lease back; the run waits (``queued``) for an agent process."""
+    lease = _held(run_id, fence, actor)
+    if not engine._honour_request(lease):
+        engine._release(lease)
+    return Run.objects.get(id=run_id)
+
+
+# --- expiry (a sweep hook) -----------------------------------------------------------------------
+
+
+def remote_leases_expire(limit: int = 200) -> int:
+    """Remote runs whose process stopped heartbeating go back to ``queued``, waiting for an
+    agent process, with ``run.lease_expired`` (and its webhook). Counted as a recovery."""
+    expired = list(
+        Run.objects.filter(
+            engine._kind_filter(remote=True),
+            status=Run.Status.RUNNING,
+            lease_expires_at__lt=Now(),
+        ).values_list("id", "fence", "lease_owner")[:limit]
+    )
+    count = 0
+    for run_id, fence, owner in expired:
+        with checkpoint(run_id, actor="system", channel="worker") as cp:
+            still = Run.objects.filter(
+                id=run_id, fence=fence, status=Run.Status.RUNNING, lease_expires_at__lt=Now()
+            ).exists()
+            if not still:  # renewed or claimed again since we looked
+                continue
+            cp.event("run.lease_expired", owner=owner, fence=fence)
+            cp.update(
+                status=Run.Status.QUEUED,
+                lease_owner="",
+                lease_expires_at=None,
+                reason_detail=WAITING_FOR_PROCESS,
+                recovery_count=F("recovery_count") + 1,
+            )
+            count += 1
+    return count
