@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint chaos clean bench
+.PHONY: install compile run test lint chaos clean bench
 
 install: $(STAMP)
 
@@ -13,6 +13,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
+
+# the project's bytecode, as a deployment compiles it (docs/operations.md): part of a worker's
+# cold start otherwise
+compile: install
+	$(BIN)/python -m compileall -q agentops approvals runs
 
 # migrate, demo login + demo runs, then web + worker + sandbox together (Ctrl-C stops all)
 run: install
@@ -34,7 +39,7 @@ clean:
 
 # benchmarks against the physical limit, on PostgreSQL only (DATABASE_URL; it creates and drops
 # <name>_bench); production settings; BENCH_ARGS=--quick for small sizes (docs/benchmarks.md)
-bench: install
+bench: compile
 	DEBUG=0 SECRET_KEY=$${SECRET_KEY:-bench-only-not-a-secret} \
 	ALLOWED_HOSTS=$${ALLOWED_HOSTS:-127.0.0.1,localhost} LOG_LEVEL=$${LOG_LEVEL:-WARNING} \
 	$(BIN)/python manage.py bench $(BENCH_ARGS)

@@ -14,6 +14,7 @@ from django.db.models.functions import Now
 
 from runs.dbtime import db_now
 from runs.models import Run, Worker
+from runs.queue import enqueue_on_commit
 
 log = logging.getLogger(__name__)
 
@@ -75,10 +76,21 @@ def identity_acquire(name: str) -> uuid.UUID:
 
 
 def take_over_predecessor(name: str) -> int:
-    """Our predecessor under this name is dead: its leases are void now, not at expiry."""
-    return Run.objects.filter(lease_owner=name, status__in=Run.RUNNABLE).update(
-        lease_expires_at=None, enqueued_at=None
-    )
+    """Our predecessor under this name is dead: its leases are void now, not at expiry, and
+    its runs are woken at once, as the sweeper wakes an orphan (``enqueued_at`` stamped, one
+    wake-up each, sent on commit). runworker does this before its cluster starts, so the
+    cluster's first poll finds them; its first sweep then runs beside the cluster."""
+    with transaction.atomic():
+        # locked: a run whose lease another worker took since (it had expired) is not ours
+        run_ids = list(
+            Run.objects.select_for_update()
+            .filter(lease_owner=name, status__in=Run.RUNNABLE)
+            .values_list("id", flat=True)
+        )
+        Run.objects.filter(id__in=run_ids).update(lease_expires_at=None, enqueued_at=Now())
+        for run_id in run_ids:
+            enqueue_on_commit(run_id)
+    return len(run_ids)
 
 
 def heartbeat(name: str, boot_id: uuid.UUID) -> bool:

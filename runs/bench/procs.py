@@ -33,7 +33,9 @@ class BenchWorker:
         self.started_at = time.time()
         with open(self.log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, MANAGE, "bench", "--worker", name],
+                # without Django's system checks, as runworker itself starts (they are not
+                # part of a worker's cold start: runs/management/commands/runworker.py)
+                [sys.executable, MANAGE, "bench", "--worker", name, "--skip-checks"],
                 cwd=settings.BASE_DIR,
                 env=env,
                 stdin=subprocess.DEVNULL,

@@ -4,7 +4,11 @@ OpenTelemetry SDK into its in-memory exporter."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
+from django.conf import settings
 
 from approvals.services import approval_decide
 from runs import tracing
@@ -88,3 +92,15 @@ def test_tracing_is_off_without_an_endpoint(monkeypatch, sandbox, system_actor):
     assert set(RunEvent.objects.filter(run=run).values_list("trace_id", flat=True)) == {
         run.trace_id
     }
+
+
+def test_tracing_off_does_not_load_opentelemetry(monkeypatch):
+    # every task process of a worker sets tracing up at its first task: when it is off, that
+    # costs nothing (importing opentelemetry would delay a cold start's first step)
+    monkeypatch.delenv("OTEL_EXPORTER_OTLP_ENDPOINT", raising=False)
+    code = (
+        "import sys; from runs import tracing; "
+        "assert tracing.configure() is False; "
+        "assert not [m for m in sys.modules if m.startswith('opentelemetry')], 'imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=settings.BASE_DIR, check=True)

@@ -18,9 +18,10 @@ from datetime import timedelta
 import pytest
 from django.conf import settings
 from django.db import OperationalError, connection
+from django_q.models import OrmQ
 
 from agentops.demo.sandbox import free_port
-from runs import workers
+from runs import sweeper, workers
 from runs.dbtime import db_now
 from runs.management.commands import runworker
 from runs.models import Run, RunEvent, ToolCall, Worker
@@ -103,6 +104,31 @@ def test_a_restarted_worker_takes_over_its_dead_predecessors_leases_at_once(
     wait_for(lambda: Run.objects.get(id=run.id).status in Run.TERMINAL, 30, what="the run to end")
     assert Run.objects.get(id=run.id).status == Run.Status.SUCCEEDED
     assert [r["idempotency_key"] for r in refunds(sandbox)] == [f"{run.id}:2"]
+
+
+@pytest.mark.django_db
+def test_taking_over_wakes_the_dead_predecessors_runs_and_only_those(
+    system_actor, django_capture_on_commit_callbacks
+):
+    # woken before the cluster starts, so its first poll finds them (cold start)
+    held, other = _refund_run(system_actor), _refund_run(system_actor)
+    OrmQ.objects.all().delete()  # the wake-ups run_create enqueued
+    later = db_now() + timedelta(seconds=60)
+    for run, owner in ((held, "dead-1"), (other, "alive-1")):
+        Run.objects.filter(id=run.id).update(
+            status=Run.Status.RUNNING, lease_owner=owner, lease_expires_at=later
+        )
+
+    with django_capture_on_commit_callbacks(execute=True):
+        assert workers.take_over_predecessor("dead-1") == 1
+
+    held.refresh_from_db()
+    other.refresh_from_db()
+    assert held.lease_expires_at is None and held.enqueued_at is not None
+    assert other.lease_expires_at == later
+    assert [wakeup.task["args"] for wakeup in OrmQ.objects.all()] == [(str(held.id),)]
+    # stamped as the sweeper stamps a wake-up: the first sweep does not wake it again
+    assert held.id not in sweeper.runnable_orphans()
 
 
 @pytest.mark.parametrize("value", ["nowhere", "claimed:0", "claimed:x", "dispatching:-1"])

@@ -1,8 +1,8 @@
 """``python manage.py runworker [--name NAME]``: a worker that advances runs.
 
-Holds its identity exclusively, takes over the leases of its own dead predecessor at once,
-sweeps orphaned runs, then starts the django-q2 cluster and keeps sweeping and checking
-liveness from this main process until SIGTERM/SIGINT. A lost database connection is not
+Holds its identity exclusively, takes over (and wakes) the runs of its own dead predecessor
+at once, starts the django-q2 cluster, then sweeps orphaned runs and checks liveness from
+this main process until SIGTERM/SIGINT. A lost database connection is not
 fatal: start-up retries it for up to ``AGENTOPS_STARTUP_DB_WAIT`` seconds (then exits 1 with
 one line), and the main loop retries it for as long as it runs, keeping its identity.
 
@@ -139,11 +139,12 @@ class Command(BaseCommand):
         cluster = None
         lost_identity = False
         try:
+            # the predecessor's runs are woken here, before the cluster starts, so its first
+            # poll finds them; the first sweep (orphans of other workers, due timers, the
+            # hooks) is the main loop's first tick, right after the cluster started: a sweep
+            # always runs beside a cluster, and nothing the cluster does waits for it
             taken = self._at_start(name, requested, lambda: workers.take_over_predecessor(name))
-            enqueued = self._at_start(name, requested, sweeper.sweep)
-            log.info(
-                "worker %s started (took over %d leases, enqueued %d runs)", name, taken, enqueued
-            )
+            log.info("worker %s started (took over and woke %d runs)", name, taken)
             os.environ["AGENTOPS_WORKER_NAME"] = name
             engine.set_stop_check(stopping.is_set)
             faults.share_counts()  # AGENTOPS_CRASH_AT=<boundary>:<n> counts the whole worker
