@@ -56,7 +56,8 @@ def run_status_counts(*, agent: str | None = None) -> dict[str, int]:
     of one agent only: one query."""
     counts = dict.fromkeys(Run.Status.values, 0)
     runs = Run.objects.filter(agent_name=agent) if agent else Run.objects.all()
-    rows = runs.order_by().values_list("status").annotate(n=Count("id"))
+    # COUNT(*): the (status, created_at) index alone answers it (an index-only scan)
+    rows = runs.order_by().values_list("status").annotate(n=Count("*"))
     for status, n in rows:
         counts[status] = n
     return counts
