@@ -17,7 +17,7 @@ that same commit (``runs.registry.Decision``), together with the model's answers
 replay`` can check today's code against them without asking the model again. A run's model is
 pinned when it is created (``Run.model_id``); when the agent's configured model changes later,
 the agent's ``model_policy`` decides: ``"pin"`` keeps the run on its model, ``"follow"`` moves
-it at its next claim (``run.model_changed``, runs/engine.py).
+it at its next claim (``run.model_changed``, runs/engine/loop.py).
 
 Retries: 429, 5xx, timeouts and connection errors are retried with exponential backoff and
 jitter (a ``Retry-After`` header is honoured); when they run out, or the API refuses the
@@ -436,7 +436,7 @@ class LLMAgent(Agent):
     # the engine renews the lease while decide() runs (a model call takes seconds)
     slow_decide = True
     # "pin": a run keeps the model it started with; "follow": a run moves to the agent's
-    # configured model at its next claim, recorded as run.model_changed (runs/engine.py)
+    # configured model at its next claim, recorded as run.model_changed (runs/engine/loop.py)
     model_policy: str = "pin"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:

@@ -1,0 +1,161 @@
+"""An open step found at claim (DESIGN §5): the record says what happens next — a wait
+ends or parks again, a call is dispatched, waits for its approval, is reconciled, or is
+re-bound to a tool that changed since it was decided."""
+
+from __future__ import annotations
+
+from django.utils import timezone
+
+from runs.engine.deciding import _continue_wait
+from runs.engine.lease import Lease, Outcome, _park_needs_attention, _release
+from runs.engine.toolcalls import (
+    _can_land_until,
+    _complete_step,
+    _dispatch,
+    _fail_step,
+    _fail_step_in,
+    _mark_unknown,
+    _reconcile,
+)
+from runs.gate import get_gate
+from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.registry import Effect, Tool, UnknownTool, registry
+
+
+def _continue_step(lease: Lease, step: Step) -> str:
+    if step.kind == Step.Kind.WAIT:
+        return _continue_wait(lease, step)
+    if step.kind != Step.Kind.TOOL_CALL:
+        _fail_step(lease, step, f"cannot continue a {step.kind} step")
+        return Outcome.CONTINUE
+    call = ToolCall.objects.select_related("step").get(step=step)
+    try:
+        tool = registry.tool(call.tool_name)
+    except UnknownTool:
+        tool = None
+    if tool is None or tool.version != call.tool_version:
+        return _tool_changed(lease, step, call, tool)
+
+    status = call.status
+    if status in (ToolCall.Status.PROPOSED, ToolCall.Status.APPROVED):
+        return _dispatch(lease, step, call, tool)
+    if status == ToolCall.Status.AWAITING_APPROVAL:
+        _release(lease, status=Run.Status.WAITING_APPROVAL)
+        return Outcome.PARKED
+    if status == ToolCall.Status.REJECTED:
+        _fail_step(lease, step, f"approval rejected: {call.last_error}".rstrip(": "))
+        return Outcome.CONTINUE
+    if status == ToolCall.Status.CANCELLED:
+        _fail_step(lease, step, "tool call cancelled")
+        return Outcome.CONTINUE
+    if status == ToolCall.Status.DISPATCHING:
+        # Left in flight by an earlier incarnation: nobody knows whether it took effect.
+        _mark_unknown(
+            lease, call, f"left in dispatching by incarnation {call.dispatch_incarnation}"
+        )
+        return _reconcile(lease, step, call, tool, interrupted=True)
+    if status == ToolCall.Status.UNKNOWN and call.redispatch_authorized:
+        # An operator chose "dispatch again" (toolcall_resolve). Their call, not a lookup's,
+        # but the original request must still be unable to land before it is sent again.
+        can_land_until = _can_land_until(lease, call, tool)
+        if tool.effect not in (Effect.READ, Effect.IDEMPOTENT) and lease.now() < can_land_until:
+            _release(lease, wake_at=can_land_until)
+            return Outcome.PARKED
+        return _dispatch(lease, step, call, tool)
+    if status == ToolCall.Status.UNKNOWN:
+        return _reconcile(lease, step, call, tool)
+    # succeeded / failed with a receipt but the step still open
+    receipt = ToolReceipt.objects.get(tool_call=call)
+    with lease.checkpoint() as cp:
+        _complete_step(
+            cp,
+            lease,
+            step,
+            call,
+            receipt.outcome == ToolReceipt.Outcome.SUCCEEDED,
+            receipt.result,
+            "",
+        )
+    return Outcome.CONTINUE
+
+
+def _tool_changed(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -> str:
+    """The call's tool is gone or changed since it was decided (DESIGN §5.2). A call that
+    was never dispatched is cancelled; one in flight keeps its unknown outcome for a person."""
+    detail = (
+        f"tool {call.tool_name!r} is no longer registered"
+        if tool is None
+        else f"tool {call.tool_name!r} changed from version {call.tool_version} to {tool.version}"
+    )
+    if call.status in (ToolCall.Status.DISPATCHING, ToolCall.Status.UNKNOWN):
+        if call.status == ToolCall.Status.DISPATCHING:
+            _mark_unknown(lease, call, "left in dispatching; " + detail)
+        _park_needs_attention(lease, Run.Reason.TOOL_RETIRED, detail + "; its outcome is unknown")
+        return Outcome.PARKED
+    undispatched = (
+        ToolCall.Status.PROPOSED,
+        ToolCall.Status.AWAITING_APPROVAL,
+        ToolCall.Status.APPROVED,
+    )
+    if tool is not None and call.status in undispatched and call.attempt_count == 0:
+        errors = tool.validate(call.arguments)
+        if not errors:
+            return _rebind_to_tool_version(lease, step, call, tool)
+        detail += "; the call's arguments do not match it: " + "; ".join(errors)
+    with lease.checkpoint() as cp:
+        if call.status in ToolCall.OPEN:
+            get_gate().cancel(cp=cp, call=call, reason="tool_retired")
+            ToolCall.objects.filter(id=call.id).update(
+                status=ToolCall.Status.CANCELLED, updated_at=timezone.now()
+            )
+            cp.event(
+                "tool.cancelled",
+                seq=step.seq,
+                tool=call.tool_name,
+                reason="tool_retired",
+                detail=detail,
+            )
+        _fail_step_in(cp, lease, step, f"tool_retired: {detail}")
+    return Outcome.CONTINUE
+
+
+def _rebind_to_tool_version(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
+    """A call not yet dispatched whose tool changed version: an approval given for the old
+    version is not valid for the new one (the approver approved another tool), so it is
+    cancelled and, if the new version's policy asks for one, requested again."""
+    fingerprint = tool.precondition(call.arguments) if tool.precondition else ""
+    needs_approval = tool.approval.requires_approval(call.arguments)
+    previous = call.tool_version
+    with lease.checkpoint() as cp:
+        get_gate().cancel(cp=cp, call=call, reason="tool_version_changed")
+        call.tool_version = tool.version
+        call.effect = str(tool.effect)
+        call.arguments_masked = tool.mask(call.arguments)
+        call.precondition_fingerprint = fingerprint
+        call.status = (
+            ToolCall.Status.AWAITING_APPROVAL if needs_approval else ToolCall.Status.PROPOSED
+        )
+        call.save(
+            update_fields=[
+                "tool_version",
+                "effect",
+                "arguments_masked",
+                "precondition_fingerprint",
+                "status",
+                "updated_at",
+            ]
+        )
+        cp.event(
+            "tool.version_changed",
+            seq=step.seq,
+            tool=call.tool_name,
+            from_version=previous,
+            to_version=tool.version,
+            approval_required=needs_approval,
+        )
+        if needs_approval:
+            get_gate().request(cp=cp, run=lease.run, call=call, tool=tool)
+            cp.event("run.waiting", on="approval", seq=step.seq, tool=tool.name)
+            cp.update(status=Run.Status.WAITING_APPROVAL, lease_owner="", lease_expires_at=None)
+            cp.boundary("approval_requested")
+    return Outcome.PARKED if needs_approval else Outcome.CONTINUE

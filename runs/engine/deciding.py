@@ -1,0 +1,447 @@
+"""Acting on the agent's decision: the ``decided`` checkpoint for a finish, a tool call
+(refused, sent for approval, dispatched, or a fork's family call) or a durable wait."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import F
+from django.utils import timezone
+
+from runs import fastsql, transitions, waits
+from runs.engine.lease import (
+    Lease,
+    Outcome,
+    _conf,
+    _finish,
+    _pause_principal_revoked_in,
+    _principal_refusal,
+)
+from runs.engine.toolcalls import (
+    _call_tool,
+    _complete_step,
+    _execute,
+    _mark_dispatching,
+    _mark_unknown,
+    _reconcile,
+    _record_receipt,
+)
+from runs.events import Checkpoint
+from runs.gate import gate_installed, get_gate
+from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.registry import (
+    AskQuestion,
+    CallTool,
+    Effect,
+    Fail,
+    Finish,
+    Sleep,
+    Tool,
+    UnknownTool,
+    WaitForSignal,
+    digest,
+    registry,
+)
+
+
+def _decide(lease: Lease, action: Any) -> str:
+    seq = (lease.steps[-1].seq + 1) if lease.steps else 1
+    if isinstance(action, Finish):
+        _finish(lease, Run.Status.SUCCEEDED, result=action.result, seq=seq)
+        return Outcome.PARKED
+    if isinstance(action, Fail):
+        _finish(
+            lease, Run.Status.FAILED, reason=Run.Reason.AGENT_FAILED, detail=action.reason, seq=seq
+        )
+        return Outcome.PARKED
+    if isinstance(action, CallTool):
+        return _decide_call(lease, action, seq)
+    if isinstance(action, WaitForSignal | Sleep | AskQuestion):
+        return _decide_wait(lease, action, seq)
+    _finish(
+        lease,
+        Run.Status.FAILED,
+        reason=Run.Reason.AGENT_FAILED,
+        detail=f"decide() returned {type(action).__name__}, not an action",
+    )
+    return Outcome.PARKED
+
+
+def _rejected_call(lease: Lease, action: CallTool, seq: int, error: str) -> str:
+    """A call the engine refuses before anything happens (unknown tool, bad arguments):
+    recorded as a failed step the agent sees, never dispatched."""
+    with lease.checkpoint() as cp:
+        step = Step.objects.create(
+            run_id=lease.run.id,
+            seq=seq,
+            kind=Step.Kind.TOOL_CALL,
+            status=Step.Status.FAILED,
+            input={"tool": action.tool, "arguments": "(not recorded: invalid call)"},
+            error=error,
+            incarnation=lease.fence,
+            completed_at=timezone.now(),
+        )
+        cp.event("step.decided", seq=seq, kind=step.kind, tool=action.tool, refused=error)
+        cp.update(steps_used=F("steps_used") + 1)
+        cp.boundary("decided")
+    lease.run.steps_used += 1
+    lease.steps.append(step)
+    return Outcome.CONTINUE
+
+
+def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = True) -> str:
+    """``execute=False`` (remote agents): the call is recorded and left ``proposed`` for the
+    agent process to dispatch (``runs.remote``) instead of being called here."""
+    run = lease.run
+    if action.tool not in lease.agent.tools:
+        return _rejected_call(
+            lease, action, seq, f"agent {run.agent_name} may not use tool {action.tool!r}"
+        )
+    try:
+        tool = registry.tool(action.tool)
+    except UnknownTool as exc:
+        return _rejected_call(lease, action, seq, str(exc))
+    arguments = dict(action.arguments)
+    errors = tool.validate(arguments)
+    if errors:
+        return _rejected_call(
+            lease, action, seq, "arguments do not match the schema: " + "; ".join(errors)
+        )
+    fingerprint = tool.precondition(arguments) if tool.precondition else ""
+    needs_approval = tool.approval.requires_approval(arguments)
+    if needs_approval and not gate_installed():
+        return _rejected_call(
+            lease, action, seq, "the call needs approval and no gate is installed"
+        )
+    masked = tool.mask(arguments)
+    revoked = _principal_refusal(lease, tool)
+    root_id = run.root_run_id or run.id
+    idempotency_key = f"{root_id}:{seq}"
+    sibling = None
+    if root_id != run.id:
+        # A fork: its family may already have used this key (DESIGN §5.2, docs/recovery.md).
+        sibling = _family_call(run, idempotency_key)
+        if sibling is not None and (
+            sibling.tool_name != tool.name or sibling.arguments_digest != digest(arguments)
+        ):
+            # a different call at the same seq: sharing the key would make an idempotent
+            # system answer with the other call's result, so this branch starts its own key
+            idempotency_key, sibling = f"{run.id}:{seq}", None
+    if sibling is not None and not revoked:
+        return _decide_family_call(
+            lease, seq, tool, arguments, masked, fingerprint, sibling, execute=execute
+        )
+
+    step = Step(
+        run_id=run.id,
+        seq=seq,
+        kind=Step.Kind.TOOL_CALL,
+        input={"tool": tool.name, "arguments": masked},
+        incarnation=lease.fence,
+    )
+    call = ToolCall(
+        run_id=run.id,
+        tool_name=tool.name,
+        tool_version=tool.version,
+        effect=str(tool.effect),
+        arguments=arguments,
+        arguments_masked=masked,
+        arguments_digest=digest(arguments),
+        idempotency_key=idempotency_key,
+        precondition_fingerprint=fingerprint,
+    )
+    if (
+        execute
+        and not revoked
+        and not needs_approval
+        and tool.effect == Effect.READ
+        and lease.decision_usage is None
+        and tool.timeout <= _conf("LEASE_TTL") / 2
+    ):
+        return _read_in_one_commit(lease, step, call, tool)
+
+    # a call dispatched now: its step and row go with the events in the commit's one
+    # statement (a decision that cost tokens updates its step in the checkpoint's body, so
+    # that step is inserted at once); a hosted agent's such commit only records
+    at_commit = not (revoked or needs_approval) and lease.decision_usage is None
+    with lease.checkpoint(optimistic=at_commit and execute) as cp:
+        _record_decided(cp, lease, step, call, at_commit=at_commit)
+        if revoked:
+            # the decision is kept (the agent is not asked again); it is dispatched, or sent
+            # for approval, when the run is resumed with a principal allowed to use the tool
+            call.save(force_insert=True)
+            _pause_principal_revoked_in(cp, revoked)
+        elif needs_approval:
+            # decided + approval_requested share this commit: no external call between them
+            call.status = ToolCall.Status.AWAITING_APPROVAL
+            call.save(force_insert=True)
+            get_gate().request(cp=cp, run=run, call=call, tool=tool)
+            cp.event("run.waiting", on="approval", seq=seq, tool=tool.name)
+            cp.update(status=Run.Status.WAITING_APPROVAL, lease_owner="", lease_expires_at=None)
+            cp.boundary("approval_requested")
+        else:
+            # decided + dispatching share this commit: both come before the side effect
+            if execute:
+                _mark_dispatching(cp, call, lease)
+            if at_commit:
+                cp.insert(call)
+            else:
+                fastsql.insert(call)
+    run.steps_used += 1
+    lease.steps.append(step)
+    if revoked or needs_approval:
+        return Outcome.PARKED
+    if not execute:
+        return Outcome.CONTINUE
+    return _execute(lease, step, call, tool)
+
+
+def _record_decided(
+    cp: Checkpoint, lease: Lease, step: Step, call: ToolCall, *, at_commit: bool = False
+) -> None:
+    """``decided`` for a tool call: its step (inserted here, or with ``at_commit`` in the
+    checkpoint's one statement) and the call's events. The call itself is inserted by the
+    caller once its status is known."""
+    if at_commit:
+        cp.insert(step)
+    else:
+        fastsql.insert(step)
+    call.step = step
+    cp.event(
+        "step.decided",
+        seq=step.seq,
+        kind=step.kind,
+        tool=call.tool_name,
+        tool_version=call.tool_version,
+        arguments=call.arguments_masked,
+        idempotency_key=call.idempotency_key,
+    )
+    cp.update(steps_used=F("steps_used") + 1)
+    cp.boundary("decided")
+
+
+def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
+    """A ``read`` call whose decision cost nothing (no model tokens): called first, then
+    ``decided`` + ``dispatching`` + ``receipt_recorded`` + ``step_completed`` in ONE commit.
+
+    A read has no side effect, so nothing happens outside between the decision and the
+    outcome that a record of the decision alone would protect: a crash before the commit
+    loses a free decision and a read, and the next incarnation simply makes both again
+    (docs/recovery.md). This is the guarantee of a DBOS step, at one commit per step. A
+    decision that cost tokens is recorded before the call (the two-commit path), so that
+    it is never paid for twice; so is a slow read (one that may outlast half a lease)."""
+    dispatched_at = lease.now()
+    ok, result, error = _call_tool(lease, call, tool, attempt=1)
+    if ok is None:
+        # the read raised something unexpected: record the decision and the dispatch as the
+        # two-commit path would have, then handle the unknown outcome the ordinary way
+        with lease.checkpoint() as cp:
+            _record_decided(cp, lease, step, call)
+            _mark_dispatching(cp, call, lease)
+            fastsql.insert(call)
+        lease.run.steps_used += 1
+        lease.steps.append(step)
+        _mark_unknown(lease, call, error)
+        return _reconcile(lease, step, call, tool)
+    output = result.result if result else None
+    with lease.checkpoint(optimistic=True) as cp:
+        step.status = Step.Status.COMPLETED if ok else Step.Status.FAILED
+        step.output = output
+        step.error = error
+        step.completed_at = timezone.now()
+        # step, call and receipt: inserted with the events and the run's update (one
+        # statement on PostgreSQL)
+        _record_decided(cp, lease, step, call, at_commit=True)
+        _mark_dispatching(cp, call, lease)
+        call.dispatched_at = dispatched_at
+        call.status = ToolCall.Status.SUCCEEDED if ok else ToolCall.Status.FAILED
+        cp.insert(call)
+        _record_receipt(
+            cp,
+            lease,
+            call,
+            ok=ok,
+            result=output if ok else {"error": error},
+            external_ref=result.external_ref if result else "",
+            source=ToolReceipt.Source.TOOL,
+            later=True,
+        )
+        transitions.apply_to_state(cp, run=lease.run, agent=lease.agent, step=step)
+    lease.run.steps_used += 1
+    lease.steps.append(step)
+    return Outcome.CONTINUE
+
+
+def _decide_wait(lease: Lease, action: WaitForSignal | Sleep | AskQuestion, seq: int) -> str:
+    """``decided`` + ``run.waiting`` in one commit: the wait step, its question, and the run
+    parked in ``waiting_event`` with no lease. A signal that arrived before the wait began
+    (or a timer already due) ends it in this same commit: services lock the same run row,
+    so a signal is either seen here or finds the run waiting and wakes it."""
+    error = waits.validate(action)
+    if error:
+        with lease.checkpoint() as cp:
+            step = Step.objects.create(
+                run_id=lease.run.id,
+                seq=seq,
+                kind=Step.Kind.WAIT,
+                status=Step.Status.FAILED,
+                input={"wait": type(action).__name__, "refused": True},
+                error=error,
+                incarnation=lease.fence,
+                completed_at=timezone.now(),
+            )
+            cp.event("step.decided", seq=seq, kind=step.kind, refused=error)
+            cp.update(steps_used=F("steps_used") + 1)
+            cp.boundary("decided")
+        lease.run.steps_used += 1
+        lease.steps.append(step)
+        return Outcome.CONTINUE
+    spec, _wake_at = waits.spec(action, lease.now())
+    with lease.checkpoint() as cp:
+        step = Step.objects.create(
+            run_id=lease.run.id, seq=seq, kind=Step.Kind.WAIT, input=spec, incarnation=lease.fence
+        )
+        cp.event("step.decided", seq=seq, kind=step.kind, wait=spec)
+        cp.update(steps_used=F("steps_used") + 1)
+        cp.boundary("decided")
+        if isinstance(action, AskQuestion):
+            waits.question_create(cp, step=step)
+        ended = waits.end_wait_if_due(
+            cp, run=lease.run, agent=lease.agent, step=step, now=lease.now()
+        )
+        if not ended:
+            waits.park(cp, step=step)
+    lease.run.steps_used += 1
+    lease.steps.append(step)
+    return Outcome.CONTINUE if ended else Outcome.PARKED
+
+
+def _continue_wait(lease: Lease, step: Step) -> str:
+    """An open wait found at claim: woken by a signal or an answer, by its timer or timeout,
+    or by a recovery. What ends it is read from the record; if nothing does yet, the run
+    parks again (a duplicate wake-up costs one commit, never a lost wait)."""
+    with lease.checkpoint() as cp:
+        ended = waits.end_wait_if_due(
+            cp, run=lease.run, agent=lease.agent, step=step, now=lease.now()
+        )
+        if not ended:
+            waits.park(cp, step=step, again=True)
+    return Outcome.CONTINUE if ended else Outcome.PARKED
+
+
+def _family_call(run: Run, idempotency_key: str) -> ToolCall | None:
+    """The call another run of this fork's family made under this key: the one with a
+    receipt first, then one that was dispatched."""
+    calls = list(
+        ToolCall.objects.filter(idempotency_key=idempotency_key)
+        .exclude(run_id=run.id)
+        .select_related("receipt")
+    )
+    calls.sort(key=lambda c: (not hasattr(c, "receipt"), c.attempt_count == 0))
+    return calls[0] if calls else None
+
+
+def _decide_family_call(
+    lease: Lease,
+    seq: int,
+    tool: Tool,
+    arguments: dict[str, Any],
+    masked: dict[str, Any],
+    fingerprint: str,
+    sibling: ToolCall,
+    *,
+    execute: bool = True,
+) -> str:
+    """A fork decided the very call its family already made under this key. Its effect is
+    never repeated blindly: a succeeded receipt is adopted; a dispatch without a receipt is
+    an unknown outcome, reconciled by key like any other; a call never dispatched is simply
+    made (with the same key)."""
+    run = lease.run
+    receipt = getattr(sibling, "receipt", None)
+    adopt = receipt is not None and receipt.outcome == ToolReceipt.Outcome.SUCCEEDED
+    in_doubt = not adopt and receipt is None and sibling.attempt_count > 0
+    needs_approval = tool.approval.requires_approval(arguments)
+    with lease.checkpoint() as cp:
+        step = Step.objects.create(
+            run_id=run.id,
+            seq=seq,
+            kind=Step.Kind.TOOL_CALL,
+            input={"tool": tool.name, "arguments": masked},
+            incarnation=lease.fence,
+        )
+        call = ToolCall(
+            step=step,
+            run_id=run.id,
+            tool_name=tool.name,
+            tool_version=tool.version,
+            effect=str(tool.effect),
+            arguments=arguments,
+            arguments_masked=masked,
+            arguments_digest=digest(arguments),
+            idempotency_key=sibling.idempotency_key,
+            precondition_fingerprint=fingerprint,
+        )
+        cp.event(
+            "step.decided",
+            seq=seq,
+            kind=step.kind,
+            tool=tool.name,
+            tool_version=tool.version,
+            arguments=masked,
+            idempotency_key=call.idempotency_key,
+            family_call={"run": sibling.run_id, "status": sibling.status},
+        )
+        cp.update(steps_used=F("steps_used") + 1)
+        cp.boundary("decided")
+        if adopt:
+            call.save(force_insert=True)
+            transitions.record_receipt(
+                cp,
+                call,
+                ok=True,
+                result=receipt.result,
+                external_ref=receipt.external_ref,
+                source=ToolReceipt.Source.RECONCILIATION,
+                recorded_by=lease.actor,
+                incarnation=lease.fence,
+            )
+            _complete_step(cp, lease, step, call, True, receipt.result, "")
+        elif in_doubt:
+            call.status = ToolCall.Status.UNKNOWN
+            call.dispatched_at = sibling.dispatched_at
+            call.last_error = (
+                f"key {call.idempotency_key} was dispatched by run {sibling.run_id} "
+                f"({sibling.status}) with no receipt"
+            )
+            call.save(force_insert=True)
+            cp.event(
+                "tool.unknown",
+                seq=seq,
+                tool=tool.name,
+                attempt=0,
+                idempotency_key=call.idempotency_key,
+                error=call.last_error,
+            )
+        elif needs_approval:
+            call.status = ToolCall.Status.AWAITING_APPROVAL
+            call.save(force_insert=True)
+            get_gate().request(cp=cp, run=run, call=call, tool=tool)
+            cp.event("run.waiting", on="approval", seq=seq, tool=tool.name)
+            cp.update(status=Run.Status.WAITING_APPROVAL, lease_owner="", lease_expires_at=None)
+            cp.boundary("approval_requested")
+        else:
+            if execute:
+                _mark_dispatching(cp, call, lease)
+            fastsql.insert(call)
+    run.steps_used += 1
+    lease.steps.append(step)
+    if adopt:
+        return Outcome.CONTINUE
+    if not execute:
+        # remote agents reconcile an in-doubt family call themselves (it is ``unknown``)
+        return Outcome.PARKED if needs_approval and not in_doubt else Outcome.CONTINUE
+    if in_doubt:
+        return _reconcile(lease, step, call, tool)
+    if needs_approval:
+        return Outcome.PARKED
+    return _execute(lease, step, call, tool)

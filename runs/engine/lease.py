@@ -1,0 +1,263 @@
+"""What an incarnation holds while it advances a run (``Lease``, with its fenced
+``checkpoint``), and how it lets go: released to the queue or a timer, yielded at the end of a
+slice, parked for a person, paused for its principal, finished. Everything else in the engine
+builds on this module."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.conf import settings
+from django.db.models import F
+from django.db.models.functions import Now
+from django.utils import timezone
+
+from runs import fastsql
+from runs.events import LIVE_FIELDS, Checkpoint, checkpoint
+from runs.models import Run, Step
+from runs.queue import enqueue_on_commit
+from runs.registry import Agent, Tool, Usage
+
+# one logger for the whole engine, named as before the split: log filters and the
+# "logger" field of JSON lines say runs.engine (docs/operations.md)
+log = logging.getLogger("runs.engine")
+
+
+def _conf(name: str) -> Any:
+    return settings.AGENTOPS[name]
+
+
+@dataclass
+class Lease:
+    """What this incarnation knows while it holds a run's lease."""
+
+    run: Run
+    fence: int
+    worker: str
+    recovered: bool
+    agent: Agent
+    steps: list[Step]
+    claimed_db_time: datetime
+    claimed_monotonic: float = field(default_factory=time.monotonic)
+    # what the decision being recorded cost (an LLM agent's tokens): written with it
+    decision_usage: Usage | None = None
+
+    @property
+    def actor(self) -> str:
+        return f"worker:{self.worker}"
+
+    def now(self) -> datetime:
+        """Database time, derived from the clock read at claim (no query per step)."""
+        return self.claimed_db_time + timedelta(seconds=time.monotonic() - self.claimed_monotonic)
+
+    @contextmanager
+    def checkpoint(
+        self, *, locked: Run | None = None, optimistic: bool = False
+    ) -> Iterator[Checkpoint]:
+        """``optimistic``: the body only records (``cp.event/update/insert/update_row``) what
+        this incarnation did, whatever others write meanwhile: written without locking the
+        run first (``events.checkpoint(expect=...)``)."""
+        with checkpoint(
+            self.run.id,
+            actor=self.actor,
+            channel="worker",
+            fence=self.fence,
+            locked=locked,
+            expect=self.run if optimistic else None,
+        ) as cp:
+            yield cp
+            if self.decision_usage is not None and "decided" in cp.boundaries:
+                _record_decision_usage(cp, self, self.decision_usage)
+        if cp.boundaries:
+            log.info(
+                "checkpoint %s committed",
+                "+".join(cp.boundaries),
+                extra={
+                    "run_id": str(self.run.id),
+                    "incarnation": self.fence,
+                    "trace_id": self.run.trace_id,
+                    "worker": self.worker,
+                    "boundary": "+".join(cp.boundaries),
+                },
+            )
+        if cp.run is not self.run:
+            # where the record ends: the next optimistic checkpoint expects it
+            self.run.event_seq = cp.run.event_seq
+            self.run.last_event_hash = cp.run.last_event_hash
+        self.take_operator_changes(cp.run)
+
+    def take_operator_changes(self, locked: Run) -> None:
+        """What others may change under a live lease, as the checkpoint read it back: an
+        operator's request (honoured at the loop's next turn) and budget limits (an
+        operator may raise them)."""
+        if locked is not self.run:
+            for name in LIVE_FIELDS:
+                setattr(self.run, name, getattr(locked, name))
+
+    def open_step(self) -> Step | None:
+        if self.steps and self.steps[-1].status == Step.Status.PENDING:
+            return self.steps[-1]
+        return None
+
+
+class Outcome:
+    CONTINUE = "continue"
+    PARKED = "parked"  # lease released: waiting, needs attention, finished, yielded
+
+
+def _principal_refusal(lease: Lease, tool: Tool | None) -> str:
+    """Why the run's principal may not act now (deactivated, or not in a group ``tool``
+    allows); empty when it may. Runs without a principal act as the system."""
+    run = lease.run
+    if run.principal_id is None:
+        return ""
+    principal = run.principal  # loaded once per claim: a change is seen at the next claim
+    if not principal.is_active:
+        return f"principal {principal.get_username()} is deactivated"
+    allowed = (
+        tool is None
+        or not tool.allowed_groups
+        or principal.is_superuser
+        or principal.groups.filter(name__in=tool.allowed_groups).exists()
+    )
+    if not allowed:
+        return (
+            f"principal {principal.get_username()} is in none of the groups "
+            f"{', '.join(tool.allowed_groups)} that may use {tool.name}"
+        )
+    return ""
+
+
+def _pause_principal_revoked_in(cp, detail: str) -> None:
+    # paused, not failed: once the principal is fixed an operator resumes the run
+    cp.event("run.paused", by="system", reason=Run.Reason.PRINCIPAL_REVOKED, detail=detail)
+    cp.update(
+        status=Run.Status.PAUSED,
+        reason_code=Run.Reason.PRINCIPAL_REVOKED,
+        reason_detail=detail,
+        lease_owner="",
+        lease_expires_at=None,
+    )
+
+
+def _pause_principal_revoked(lease: Lease, detail: str) -> None:
+    with lease.checkpoint() as cp:
+        _pause_principal_revoked_in(cp, detail)
+
+
+def _record_decision_usage(cp: Checkpoint, lease: Lease, usage: Usage) -> None:
+    """Inside the ``decided`` commit: the step that commit creates carries the decision's
+    tokens and cost, the run's persisted usage grows by them, and ``step.decided`` says so."""
+    seq = max(
+        (event.payload.get("seq", 0) for event in cp.events if event.type == "step.decided"),
+        default=None,
+    )
+    if seq is None:
+        return
+    Step.objects.filter(run_id=lease.run.id, seq=seq).update(tokens=usage.tokens, cost=usage.cost)
+    cp.update(tokens_used=F("tokens_used") + usage.tokens, cost_used=F("cost_used") + usage.cost)
+    for event in cp.events:
+        if event.type == "step.decided":
+            event.payload["usage"] = json.loads(
+                json.dumps(
+                    {"tokens": usage.tokens, "cost": usage.cost, **usage.detail}, default=str
+                )
+            )
+            if usage.answers:
+                # what the model said, for manage.py replay (masked by the agent)
+                event.payload["answers"] = json.loads(json.dumps(usage.answers, default=str))
+    lease.run.tokens_used += usage.tokens
+    lease.run.cost_used += usage.cost
+    lease.decision_usage = None
+
+
+def _describe(exc: BaseException) -> str:
+    return "".join(traceback.format_exception_only(type(exc), exc)).strip()[:2000]
+
+
+# --- releasing the lease ----------------------------------------------------------------------
+
+
+def _release_in(cp, *, status: str = Run.Status.QUEUED, wake_at: datetime | None = None) -> None:
+    cp.event("run.released", status=status, wake_at=wake_at.isoformat() if wake_at else None)
+    cp.update(status=status, lease_owner="", lease_expires_at=None, wake_at=wake_at)
+
+
+def _release(
+    lease: Lease, *, status: str = Run.Status.QUEUED, wake_at: datetime | None = None
+) -> None:
+    with lease.checkpoint() as cp:
+        _release_in(cp, status=status, wake_at=wake_at)
+
+
+def _yield(lease: Lease) -> None:
+    """End of a slice: let other runs have the worker, and ask to be woken again."""
+    with lease.checkpoint() as cp:
+        _release_in(cp)
+        cp.update(enqueued_at=Now())
+        enqueue_on_commit(lease.run.id)
+
+
+def _park_needs_attention(lease: Lease, reason: str, detail: str) -> None:
+    with lease.checkpoint() as cp:
+        cp.event("run.needs_attention", reason=reason, detail=detail)
+        cp.update(
+            status=Run.Status.NEEDS_ATTENTION,
+            reason_code=reason,
+            reason_detail=detail,
+            lease_owner="",
+            lease_expires_at=None,
+        )
+
+
+def _finish(
+    lease: Lease,
+    status: str,
+    *,
+    result: Any = None,
+    reason: str = "",
+    detail: str = "",
+    seq: int | None = None,
+) -> None:
+    # a decision that cost tokens updates its step in the body (_record_decision_usage), so
+    # that step is inserted at once; otherwise the commit only records, without a lock
+    at_commit = lease.decision_usage is None
+    with lease.checkpoint(optimistic=at_commit) as cp:
+        if seq is not None:
+            kind = Step.Kind.FINISH if status == Run.Status.SUCCEEDED else Step.Kind.FAIL
+            step = Step(
+                run_id=lease.run.id,
+                seq=seq,
+                kind=kind,
+                status=Step.Status.COMPLETED,
+                input={"result": result} if kind == Step.Kind.FINISH else {"reason": detail},
+                incarnation=lease.fence,
+                completed_at=timezone.now(),
+            )
+            if at_commit:
+                cp.insert(step)
+            else:
+                fastsql.insert(step)
+            lease.steps.append(step)
+            cp.event("step.decided", seq=seq, kind=kind)
+            cp.update(steps_used=F("steps_used") + 1)
+            cp.boundary("decided")
+        cp.event(f"run.{status}", result=result, reason=reason, detail=detail)
+        cp.update(
+            status=status,
+            result=result,
+            reason_code=reason,
+            reason_detail=detail,
+            finished_at=Now(),
+            lease_owner="",
+            lease_expires_at=None,
+        )
+        cp.boundary("run_finished")
