@@ -493,6 +493,10 @@ def _lock_or_raise(run_id: Any, fence: int | None) -> Run:
         if fence is not None and Run.objects.filter(id=run_id).exists():
             raise LeaseLost(f"run {run_id}: fence {fence} is stale")
         raise RunNotFound(f"run {run_id} does not exist")
+    if fence is not None and run.status != Run.Status.RUNNING:
+        # an operator terminated or paused the run after its lease expired (services apply
+        # that at once, without moving the fence): the holder, if it still lives, is done
+        raise LeaseLost(f"run {run_id} is {run.status}: this incarnation's lease has ended")
     return run
 
 

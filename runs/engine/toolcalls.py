@@ -160,9 +160,9 @@ class _LeaseKeeper:
         interval = max(_conf("LEASE_TTL") / 3, 0.05)
         try:
             while not self.stop.wait(interval):
-                renewed = Run.objects.filter(id=self.lease.run.id, fence=self.lease.fence).update(
-                    lease_expires_at=lease_expiry_expression()
-                )
+                renewed = Run.objects.filter(
+                    id=self.lease.run.id, fence=self.lease.fence, status=Run.Status.RUNNING
+                ).update(lease_expires_at=lease_expiry_expression())
                 if renewed != 1:
                     self.lost = True
                     return

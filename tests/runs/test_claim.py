@@ -10,10 +10,11 @@ from django.db import transaction
 from django.utils import timezone
 
 from runs import engine
+from runs.actors import Actor
 from runs.events import LeaseLost
 from runs.models import Run, RunEvent, Step
 from runs.registry import CallTool, Effect, Finish
-from runs.services import run_create
+from runs.services import run_create, run_pause, run_terminate
 from tests.support import (
     CountingTool,
     ScriptedAgent,
@@ -177,6 +178,39 @@ def test_zombie_checkpoint_raises_lease_lost_and_writes_nothing(agent, system_ac
     assert not RunEvent.objects.filter(run=run, incarnation=1).exclude(type="run.claimed").exists()
     assert not Step.objects.filter(run=run).exists()
     assert (run.fence, run.lease_owner, run.steps_used) == (2, "w2", 0)
+
+
+@pytest.mark.parametrize("action", ["terminate", "pause"])
+@pytest.mark.django_db
+def test_a_holder_past_its_lease_writes_nothing_after_an_operator_ended_the_run(
+    agent, system_actor, operator, action
+):
+    """Nobody claimed the run after w1's lease expired, so w1 still has the latest fence;
+    an operator's terminate (or pause) applies at once. w1, only paused, wakes up: its
+    writes — the hot path's and the locked ones — are refused, and the run stays as ended."""
+    run = _new_run(system_actor)
+    holder = engine.claim(run.id, worker="w1")
+    expire_lease(run.id)
+    act = run_terminate if action == "terminate" else run_pause
+    ended = act(run_id=run.id, actor=Actor.for_user(operator, "web"), reason="stop it")
+    assert ended.status in (Run.Status.TERMINATED, Run.Status.PAUSED)
+
+    for optimistic in (True, False):
+        with (
+            pytest.raises(LeaseLost),
+            transaction.atomic(),
+            holder.checkpoint(optimistic=optimistic) as cp,
+        ):
+            cp.event("run.note", text="from the past")
+            cp.update(steps_used=7)
+    with pytest.raises(LeaseLost), transaction.atomic():
+        engine._advance_once(holder)
+
+    run.refresh_from_db()
+    assert (run.status, run.steps_used) == (ended.status, 0)
+    # (a free read may be made before its commit is refused: it has no side effect)
+    assert not Step.objects.filter(run=run, kind=Step.Kind.TOOL_CALL).exists()
+    assert not RunEvent.objects.filter(run=run, type="run.note").exists()
 
 
 @pytest.mark.django_db
