@@ -13,7 +13,7 @@ import hashlib
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
@@ -179,16 +179,6 @@ LIVE_FIELDS = (
 # picked up) and run through the connection's cursor (so query logging and execute
 # wrappers still see them). SQLite keeps the ORM: its values need the ORM's converters.
 _sql_cache: dict[Any, Any] = {}
-
-# psycopg converts a statement's %s placeholders once and caches that, but only for
-# statements of at most 50 parameters (psycopg._queries; memory, not correctness). The
-# checkpoint's one statement (_write_in_one_statement) has about 90: unraised, psycopg would
-# parse it again at every step, which cost more CPU than the round trips it saves.
-with suppress(ImportError):
-    from psycopg import _queries as _psycopg_queries
-
-    if getattr(_psycopg_queries, "MAX_CACHED_STATEMENT_PARAMS", 200) < 200:
-        _psycopg_queries.MAX_CACHED_STATEMENT_PARAMS = 200
 
 
 def _raw_sql_ok() -> bool:
