@@ -453,28 +453,28 @@ def checkpoint(
         with connection.execute_wrapper(_no_queries):
             yield cp
         if _write(cp, renew_lease=renew_lease, unlocked=True):
-            for name in cp.boundaries:
-                # outside a transaction the statement committed: fires at once
-                transaction.on_commit(partial(faults.crash_point, name))
-            metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
-            return
+            # outside a transaction the statement committed: they fire at once
+            _crash_points_on_commit(cp)
+        else:
+            with transaction.atomic(savepoint=False):
+                cp.run = _lock_or_raise(run_id, fence)
+                _write(cp, renew_lease=renew_lease)
+                _crash_points_on_commit(cp)
+    else:
         with transaction.atomic(savepoint=False):
-            cp.run = _lock_or_raise(run_id, fence)
+            run = locked if locked is not None else _lock_or_raise(run_id, fence)
+            cp = Checkpoint(run=run, actor=actor, channel=channel, fence=fence)
+            yield cp
             _write(cp, renew_lease=renew_lease)
-            for name in cp.boundaries:
-                transaction.on_commit(partial(faults.crash_point, name))
-        metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
-        return
-    with transaction.atomic(savepoint=False):
-        run = locked if locked is not None else _lock_or_raise(run_id, fence)
-        cp = Checkpoint(run=run, actor=actor, channel=channel, fence=fence)
-        yield cp
-        _write(cp, renew_lease=renew_lease)
-        for name in cp.boundaries:
-            # fires right after the commit that contains the boundary (also when nested)
-            transaction.on_commit(partial(faults.crash_point, name))
+            _crash_points_on_commit(cp)
     # in-process latency histogram (runs/metrics.py): lock, append, update, commit
     metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
+
+
+def _crash_points_on_commit(cp: Checkpoint) -> None:
+    for name in cp.boundaries:
+        # fires right after the commit that contains the boundary (also when nested)
+        transaction.on_commit(partial(faults.crash_point, name))
 
 
 def _lock_or_raise(run_id: Any, fence: int | None) -> Run:
