@@ -294,7 +294,12 @@ AGENTOPS = {
     # reconciliation lookups that fail or cannot decide: retried with backoff, then a person
     "RECONCILE_MAX_ATTEMPTS": env_int("AGENTOPS_RECONCILE_MAX_ATTEMPTS", 5),
     "RECONCILE_BACKOFF": env_float("AGENTOPS_RECONCILE_BACKOFF", 1.0),
-    # a call that is reliably absent is sent again only after dispatched_at + timeout + margin
+    # DESIGN §9: a dispatched request may leave only within this many seconds of its
+    # ``dispatching`` commit (and never after that commit's lease expiry): its send deadline
+    "SEND_WINDOW": env_float("AGENTOPS_SEND_WINDOW", 2.0),
+    # the landing deadline is send deadline + the tool's total timeout + this margin (clock
+    # skew between us and the downstream, network delay): a call that is reliably absent is
+    # sent again only after a lookup that started after it
     "REDISPATCH_MARGIN": env_float("AGENTOPS_REDISPATCH_MARGIN", 2.0),
     # read tools are retried this many times before the step fails
     "READ_MAX_ATTEMPTS": env_int("AGENTOPS_READ_MAX_ATTEMPTS", 3),

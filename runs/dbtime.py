@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from django.db import connection
 
@@ -17,3 +18,51 @@ def db_now() -> datetime:
         cursor.execute("SELECT STATEMENT_TIMESTAMP()")
         (value,) = cursor.fetchone()
         return value
+
+
+class DbNow:
+    """A datetime field's value in a row the engine writes: the writing statement's own
+    database time (``STATEMENT_TIMESTAMP()``) plus ``offset`` seconds — for times that must
+    not depend on a worker's estimate of the clock (a dispatch's deadlines, DESIGN §9). The
+    checkpoint's statement (``runs.events``) and ``runs.fastsql.insert`` compute it in the
+    database; SQLite has no server, its database time is this host's clock. After the write
+    the attribute is None: read the value back when it is needed."""
+
+    __slots__ = ("offset",)
+
+    def __init__(self, offset: float = 0.0) -> None:
+        self.offset = float(offset)
+
+    def __repr__(self) -> str:
+        return f"DbNow({self.offset})"
+
+    SQL = "STATEMENT_TIMESTAMP() + make_interval(secs => %s)"
+
+
+def db_now_fields(obj: Any) -> tuple[str, ...]:
+    """The attribute names of ``obj``'s concrete fields whose value is a ``DbNow``."""
+    return tuple(
+        f.attname for f in obj._meta.concrete_fields if isinstance(getattr(obj, f.attname), DbNow)
+    )
+
+
+def resolve_in_python(obj: Any) -> None:
+    """SQLite (no server, one host): ``DbNow`` values become this host's time."""
+    now = datetime.now(UTC)
+    for attname in db_now_fields(obj):
+        setattr(obj, attname, now + timedelta(seconds=getattr(obj, attname).offset))
+
+
+def clear(obj: Any, attnames: tuple[str, ...]) -> None:
+    for attname in attnames:
+        setattr(obj, attname, None)
+
+
+def db_now_expression(value: Any) -> Any:
+    """A ``DbNow`` as an ORM expression (for ``QuerySet.update``); anything else as it is."""
+    if not isinstance(value, DbNow):
+        return value
+    from django.db.models import DateTimeField, ExpressionWrapper
+    from django.db.models.functions import Now
+
+    return ExpressionWrapper(Now() + timedelta(seconds=value.offset), output_field=DateTimeField())

@@ -26,7 +26,7 @@ from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import fastsql, faults, metrics, tracing
+from runs import dbtime, fastsql, faults, metrics, tracing
 from runs.models import Run, RunEvent
 
 
@@ -308,23 +308,26 @@ def _write_in_one_statement(cp: Checkpoint, update: tuple[str, list[Any]], expec
     earlier one (a tool call its step, a receipt its call) takes the key from that row's CTE.
     Returns the rows the run's UPDATE changed (0: nothing was written)."""
     links = [dict(_links(obj, cp.inserts[:index])) for index, obj in enumerate(cp.inserts)]
+    # fields whose value is the statement's database time (runs.dbtime.DbNow)
+    db_now = [dbtime.db_now_fields(obj) for obj in cp.inserts]
     update_sql, update_params = update
     key = (
         "one",
         tuple(
-            (type(obj), tuple(sorted((f.attname, i) for f, i in link.items())))
-            for obj, link in zip(cp.inserts, links, strict=True)
+            (type(obj), tuple(sorted((f.attname, i) for f, i in link.items())), now_fields)
+            for obj, link, now_fields in zip(cp.inserts, links, db_now, strict=True)
         ),
         tuple((model, tuple(values)) for model, _pk, values in cp.row_updates),
         update_sql,
     )
     if key not in _sql_cache:
-        _sql_cache[key] = _one_statement_sql(cp, links, update_sql)
+        _sql_cache[key] = _one_statement_sql(cp, links, update_sql, db_now)
     sql, plans, live = _sql_cache[key]
     # each row as ONE parameter, a JSON object PostgreSQL maps onto the table's columns
     # (json_populate_record): adapting a parameter per column cost more CPU than the rest
     params: list[Any] = [*update_params, expect_seq]
-    for obj, plan in zip(cp.inserts, plans, strict=True):
+    for obj, plan, now_fields in zip(cp.inserts, plans, db_now, strict=True):
+        params += [getattr(obj, attname).offset for attname in now_fields]
         params.append(_json({column: field.pre_save(obj, True) for column, field in plan}))
     for model, pk, values in cp.row_updates:
         params += [fastsql.prepare(model._meta.get_field(name), v) for name, v in values.items()]
@@ -343,8 +346,9 @@ def _write_in_one_statement(cp: Checkpoint, update: tuple[str, list[Any]], expec
     if rows_updated != len(cp.row_updates):
         # what save(update_fields=...) says; rolls the whole checkpoint back
         raise DatabaseError("a row the checkpoint updates is gone")
-    for obj, pk_value in zip(cp.inserts, pks, strict=True):
+    for obj, pk_value, now_fields in zip(cp.inserts, pks, db_now, strict=True):
         _link(obj, cp.inserts)
+        dbtime.clear(obj, now_fields)
         obj.pk = pk_value
         obj._state.adding = False
         obj._state.db = connection.alias
@@ -369,7 +373,10 @@ def _json(value: Any) -> str:
 
 
 def _one_statement_sql(
-    cp: Checkpoint, links: list[dict[models.Field, int]], update_sql: str
+    cp: Checkpoint,
+    links: list[dict[models.Field, int]],
+    update_sql: str,
+    db_now: list[tuple[str, ...]],
 ) -> tuple[str, list[Any], list[Any]]:
     quote = connection.ops.quote_name
     live = [Run._meta.get_field(name) for name in LIVE_FIELDS]
@@ -378,15 +385,19 @@ def _one_statement_sql(
         f"RETURNING {', '.join(quote(f.column) for f in live)})"
     ]
     plans, selected = [], []
-    for index, (obj, link) in enumerate(zip(cp.inserts, links, strict=True)):
+    for index, (obj, link, now_fields) in enumerate(zip(cp.inserts, links, db_now, strict=True)):
         meta = obj._meta
         fields = [f for f in meta.concrete_fields if not f.primary_key]
         # pre_save: the attribute's value, or the stamp of an auto_now(_add) field
-        plans.append([(f.column, f) for f in fields if f not in link])
+        plans.append(
+            [(f.column, f) for f in fields if f not in link and f.attname not in now_fields]
+        )
         table, pk = quote(meta.db_table), quote(meta.pk.column)
         exprs = [
             f"i{link[f]}.{quote(cp.inserts[link[f]]._meta.pk.column)}"
             if f in link
+            else dbtime.DbNow.SQL
+            if f.attname in now_fields
             else f"v.{quote(f.column)}"
             for f in fields
         ]

@@ -19,9 +19,13 @@ from typing import Any, TypeVar
 from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections, models
 from django.db.models.fields import AutoFieldMixin
 
+from runs import dbtime
+
 M = TypeVar("M", bound=models.Model)
 
-_insert_sql: dict[type, tuple[str, list[tuple[str, int, models.Field]], bool]] = {}
+_insert_sql: dict[
+    tuple[type, tuple[str, ...]], tuple[str, list[tuple[str, int, models.Field]], bool]
+] = {}
 
 # How a field's value reaches psycopg. Preparing every value through the field costs more
 # than the rest of an insert (profiled): for the types below, PostgreSQL's backend passes the
@@ -64,13 +68,22 @@ def prepare(field: models.Field, value: Any) -> Any:
     return field.get_db_prep_save(value, connections[DEFAULT_DB_ALIAS])
 
 
-def row_values(obj: models.Model, fields: list[tuple[str, int, models.Field]], add: bool) -> list:
+def row_values(
+    obj: models.Model,
+    fields: list[tuple[str, int, models.Field]],
+    add: bool,
+    *,
+    db_now: tuple[str, ...] = (),
+) -> list:
     """The fields' values of ``obj`` ready for the cursor, as ``save()`` would send them
-    (``add``: as for an insert, which ``auto_now_add`` stamps)."""
+    (``add``: as for an insert, which ``auto_now_add`` stamps); for a ``db_now`` field, the
+    offset of its ``DbNow`` (the SQL adds it to the statement's time)."""
     conn = connections[DEFAULT_DB_ALIAS]
     out = []
     for attname, mode, field in fields:
-        if mode == _AS_IS:
+        if attname in db_now:
+            out.append(getattr(obj, attname).offset)
+        elif mode == _AS_IS:
             out.append(getattr(obj, attname))
         elif mode == _STAMP:
             out.append(field.pre_save(obj, add))
@@ -84,12 +97,16 @@ def _fast() -> bool:
 
 
 def insert(obj: M) -> M:
-    """``obj.save(force_insert=True)``."""
+    """``obj.save(force_insert=True)``; a ``runs.dbtime.DbNow`` value is the statement's
+    database time (None on the object afterwards)."""
+    db_now = dbtime.db_now_fields(obj)
     if not _fast():
+        dbtime.resolve_in_python(obj)
         obj.save(force_insert=True)
         return obj
     model = type(obj)
-    if model not in _insert_sql:
+    key = (model, db_now)
+    if key not in _insert_sql:
         meta = model._meta
         # an auto-incremented key is left to the database and read back
         auto_pk = isinstance(meta.pk, AutoFieldMixin)
@@ -97,17 +114,18 @@ def insert(obj: M) -> M:
         quote = connection.ops.quote_name
         sql = (
             f"INSERT INTO {quote(meta.db_table)} ({', '.join(quote(f.column) for f in fields)}) "
-            f"VALUES ({', '.join(['%s'] * len(fields))})"
+            f"VALUES ({', '.join(dbtime.DbNow.SQL if f.attname in db_now else '%s' for f in fields)})"
         )
         if auto_pk:
             sql += f" RETURNING {quote(meta.pk.column)}"
-        _insert_sql[model] = (sql, plan(fields), auto_pk)
-    sql, fields, auto_pk = _insert_sql[model]
-    params = row_values(obj, fields, True)
+        _insert_sql[key] = (sql, plan(fields), auto_pk)
+    sql, fields, auto_pk = _insert_sql[key]
+    params = row_values(obj, fields, True, db_now=db_now)
     with connection.cursor() as cursor:
         cursor.execute(sql, params)
         if auto_pk:
             obj.pk = cursor.fetchone()[0]
+    dbtime.clear(obj, db_now)
     obj._state.adding = False
     obj._state.db = connection.alias
     return obj

@@ -1,9 +1,17 @@
-"""Fault injection (contract, DESIGN §4).
+"""Fault injection (contract, DESIGN §4 and §9).
 
 With ``AGENTOPS_CRASH_AT=<boundary>[:<n>]`` set, the worker SIGKILLs its whole ``runworker``
 process group right after the commit that contains the n-th occurrence of that boundary in
 that worker (default n=1) -- counted across all its cluster processes, which ``runworker``
-arranges with ``share_counts()`` before it forks them. Inert when unset.
+arranges with ``share_counts()`` before it forks them.
+
+With ``AGENTOPS_PAUSE_AT=<boundary>[:<n>]`` set, it freezes (SIGSTOP) its whole process group
+at that point instead -- a VM pause, a long GC, a laptop lid. Whoever watches it resumes it
+with SIGCONT (``chaos --pauses``), typically after its lease was taken over: what it does when
+it wakes is what the pause tests check. ``before_send`` is the point after the pre-send check
+and before a tool's request leaves.
+
+Both are inert when unset.
 """
 
 from __future__ import annotations
@@ -20,11 +28,14 @@ BOUNDARIES = (
     "decided",
     "approval_requested",
     "dispatching",
+    "before_send",
     "tool_call",
     "receipt_recorded",
     "step_completed",
     "run_finished",
 )
+
+VARIABLES = ("AGENTOPS_CRASH_AT", "AGENTOPS_PAUSE_AT")
 
 
 class BadCrashSpec(ValueError):
@@ -37,78 +48,94 @@ class CrashSpec:
     occurrence: int = 1
 
 
-def parse_crash_spec(value: str | None) -> CrashSpec | None:
+def parse_crash_spec(value: str | None, variable: str = "AGENTOPS_CRASH_AT") -> CrashSpec | None:
     if value is None or value.strip() == "":
         return None
     boundary, _, count = value.strip().partition(":")
     if boundary not in BOUNDARIES:
         raise BadCrashSpec(
-            f"AGENTOPS_CRASH_AT={value!r}: unknown boundary {boundary!r} "
+            f"{variable}={value!r}: unknown boundary {boundary!r} "
             f"(expected one of {', '.join(BOUNDARIES)}, optionally followed by :N)"
         )
     if count == "":
         return CrashSpec(boundary)
     if not count.isdigit() or int(count) < 1:
-        raise BadCrashSpec(
-            f"AGENTOPS_CRASH_AT={value!r}: the occurrence must be a positive integer"
-        )
+        raise BadCrashSpec(f"{variable}={value!r}: the occurrence must be a positive integer")
     return CrashSpec(boundary, int(count))
 
 
+def check_environment() -> None:
+    """Raise ``BadCrashSpec`` (one clear line) for a malformed variable (runworker, at start)."""
+    for variable in VARIABLES:
+        parse_crash_spec(os.environ.get(variable), variable)
+
+
 _lock = threading.Lock()
-_seen: dict[str, int] = {}
-_spec: CrashSpec | None = None
+_seen: dict[tuple[str, str], int] = {}
+_specs: dict[str, CrashSpec | None] = {}
 _loaded = False
-# one counter for the whole process group, inherited by the processes forked after it exists
-_shared_count = None
+# one counter per variable for the whole process group, inherited by the processes forked
+# after it exists
+_shared_counts: dict[str, object] = {}
 
 
-def _current_spec() -> CrashSpec | None:
-    global _spec, _loaded
+def _current_specs() -> dict[str, CrashSpec | None]:
+    global _loaded
     if not _loaded:
-        # a malformed value is rejected by runworker at start; here it is simply inert
-        try:
-            _spec = parse_crash_spec(os.environ.get("AGENTOPS_CRASH_AT"))
-        except BadCrashSpec:
-            _spec = None
+        for variable in VARIABLES:
+            # a malformed value is rejected by runworker at start; here it is simply inert
+            try:
+                _specs[variable] = parse_crash_spec(os.environ.get(variable), variable)
+            except BadCrashSpec:
+                _specs[variable] = None
         _loaded = True
-    return _spec
+    return _specs
 
 
 def reset() -> None:
-    """Forget the parsed spec and counts (tests change the environment)."""
-    global _loaded, _shared_count
+    """Forget the parsed specs and counts (tests change the environment)."""
+    global _loaded
     with _lock:
         _seen.clear()
+        _specs.clear()
         _loaded = False
-        _shared_count = None
+        _shared_counts.clear()
 
 
 def share_counts() -> None:
     """Count occurrences across every process forked from this one from now on (the
     django-q2 cluster runs tasks in several processes; ``:n`` means the worker's n-th)."""
-    global _shared_count
-    if _current_spec() is not None:
-        _shared_count = multiprocessing.get_context("fork").Value("i", 0)
+    for variable, spec in _current_specs().items():
+        if spec is not None:
+            _shared_counts[variable] = multiprocessing.get_context("fork").Value("i", 0)
 
 
-def _count(boundary: str) -> int:
-    shared = _shared_count
+def _count(variable: str, boundary: str) -> int:
+    shared = _shared_counts.get(variable)
     if shared is not None:
         with shared.get_lock():
             shared.value += 1
             return shared.value
     with _lock:
-        _seen[boundary] = _seen.get(boundary, 0) + 1
-        return _seen[boundary]
+        key = (variable, boundary)
+        _seen[key] = _seen.get(key, 0) + 1
+        return _seen[key]
 
 
 def crash_point(boundary: str) -> None:
-    spec = _current_spec()
-    if spec is None or spec.boundary != boundary:
-        return
-    hit = _count(boundary) == spec.occurrence
-    if hit:
+    """The fault point ``boundary``: kill (AGENTOPS_CRASH_AT) or freeze (AGENTOPS_PAUSE_AT)
+    the process group when it is the configured occurrence."""
+    specs = _current_specs()
+    crash = specs.get("AGENTOPS_CRASH_AT")
+    hit = crash is not None and crash.boundary == boundary
+    if hit and _count("AGENTOPS_CRASH_AT", boundary) == crash.occurrence:
         sys.stderr.write(f"AGENTOPS_CRASH_AT: killing process group at {boundary}\n")
         sys.stderr.flush()
         os.killpg(os.getpgid(0), signal.SIGKILL)
+    pause = specs.get("AGENTOPS_PAUSE_AT")
+    hit = pause is not None and pause.boundary == boundary
+    if hit and _count("AGENTOPS_PAUSE_AT", boundary) == pause.occurrence:
+        sys.stderr.write(f"AGENTOPS_PAUSE_AT: freezing process group at {boundary}\n")
+        sys.stderr.flush()
+        # the whole group, this process included: execution resumes here on SIGCONT
+        os.killpg(os.getpgid(0), signal.SIGSTOP)

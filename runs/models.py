@@ -226,6 +226,17 @@ class ToolCall(models.Model):
     # ``unknown`` (the first attempt's fate is still not known) until it is re-dispatched
     redispatch_authorized = models.BooleanField(default=False)
     next_reconcile_at = models.DateTimeField(null=True, blank=True)
+    # DESIGN §9, both in database time, set by the ``dispatching`` statement of the latest
+    # attempt: its request may not leave after ``send_deadline`` (never later than the lease
+    # that dispatched it), and may still land until ``landing_deadline`` (send deadline + the
+    # tool's total timeout + a margin). An ``absent`` lookup authorises a re-send only when
+    # the lookup *started* after the landing deadline.
+    send_deadline = models.DateTimeField(null=True, blank=True)
+    landing_deadline = models.DateTimeField(null=True, blank=True)
+    # the latest reconciliation lookup begun (server time) and how many were begun: a
+    # remote agent's ``absent`` names the lookup it reports (runs.remote.toolcalls)
+    lookup_started_at = models.DateTimeField(null=True, blank=True)
+    lookups_begun = models.PositiveIntegerField(default=0)
     last_error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

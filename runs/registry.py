@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from decimal import Decimal
 from enum import StrEnum
 from functools import cached_property
@@ -97,12 +98,63 @@ class Reconciliation:
     detail: str = ""
 
 
+class SendDeadlinePassed(OutcomeUnknown):
+    """The request may no longer leave: this dispatch's send deadline (or its total time
+    budget) has passed — the worker may have been paused, its lease taken over. Nothing was
+    sent by this call of the tool; the outcome of the dispatch is reconciled as unknown."""
+
+
+class Resend(StrEnum):
+    AUTO = "auto"  # an absent lookup after the landing deadline re-sends with the same key
+    PERSON = "person"  # an absent lookup goes to an operator instead (docs/agents.md)
+
+
 @dataclass(frozen=True)
 class ToolContext:
+    """What a tool's ``call`` gets besides the arguments (DESIGN §9). The key, the fence and
+    the send deadline travel with the request (``headers()``) so the downstream can check
+    them; ``remaining()`` is the call's total time budget, connection set-up included
+    (``runs.toolhttp`` enforces it for HTTP)."""
+
     run_id: str
     idempotency_key: str
     attempt: int
     timeout: float
+    # the incarnation that dispatched the call (the run's fence)
+    fence: int | None = None
+    # database time: a downstream that honours deadlines refuses a request received later
+    send_deadline: datetime | None = None
+    # local monotonic clock: no byte of the request may be written after ``send_by``, and
+    # the whole call ends by ``finish_by``; both started before the pre-send check's query
+    send_by: float | None = None
+    finish_by: float | None = None
+
+    def remaining(self) -> float:
+        """Seconds left of the call's total timeout (never negative)."""
+        if self.finish_by is None:
+            return self.timeout
+        return max(0.0, self.finish_by - time.monotonic())
+
+    def check_send(self) -> None:
+        """Raise ``SendDeadlinePassed`` once the request may no longer leave. Call it as
+        late as possible before the first byte is written (``runs.toolhttp`` does)."""
+        now = time.monotonic()
+        if self.send_by is not None and now >= self.send_by:
+            raise SendDeadlinePassed(
+                f"send deadline passed {now - self.send_by:.3f}s ago: the request was not sent"
+            )
+        if self.finish_by is not None and now >= self.finish_by:
+            raise SendDeadlinePassed("the call's total timeout passed before the request was sent")
+
+    def headers(self) -> dict[str, str]:
+        """What the downstream can check, as HTTP headers: the idempotency key, the fence
+        and the send deadline (RFC 3339, UTC)."""
+        headers = {"Idempotency-Key": self.idempotency_key}
+        if self.fence is not None:
+            headers["X-Agentops-Fence"] = str(self.fence)
+        if self.send_deadline is not None:
+            headers["X-Agentops-Send-Deadline"] = self.send_deadline.astimezone(UTC).isoformat()
+        return headers
 
 
 @dataclass
@@ -120,10 +172,24 @@ class Tool:
     reconcile: Callable[[str, Mapping[str, Any]], Reconciliation] | None = None
     precondition: Callable[[Mapping[str, Any]], str] | None = None
     version: str = ""
+    # What the downstream honours (DESIGN §9, docs/agents.md): ``honours_key`` — it
+    # deduplicates by the idempotency key (default: the ``idempotent`` class);
+    # ``honours_deadline`` — it refuses a request it receives after the send deadline it
+    # carries (X-Agentops-Send-Deadline). With neither, a pause between the pre-send check
+    # and the request's last byte can still duplicate an effect: ``resend="person"`` sends an
+    # absent lookup to an operator instead of re-sending.
+    honours_key: bool | None = None
+    honours_deadline: bool = False
+    resend: Resend = Resend.AUTO
 
     def __post_init__(self) -> None:
         if self.effect == Effect.RECONCILABLE and self.reconcile is None:
             raise ValueError(f"tool {self.name}: a reconcilable tool needs a reconcile lookup")
+        if self.honours_key is None:
+            self.honours_key = self.effect == Effect.IDEMPOTENT
+        self.resend = Resend(self.resend)
+        if self.timeout <= 0:
+            raise ValueError(f"tool {self.name}: timeout must be positive")
         jsonschema.Draft202012Validator.check_schema(self.schema)
         if not self.version:
             # the version is the schema's hash: a changed schema is a changed tool

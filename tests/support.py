@@ -147,8 +147,16 @@ def rewind(run_id: Any, seconds: float = 600) -> None:
         Run.objects.filter(id=run_id).update(wake_at=run.wake_at - delta)
     for call in ToolCall.objects.filter(run_id=run_id):
         ToolCall.objects.filter(id=call.id).update(
-            dispatched_at=call.dispatched_at - delta if call.dispatched_at else None,
-            next_reconcile_at=call.next_reconcile_at - delta if call.next_reconcile_at else None,
+            **{
+                name: getattr(call, name) - delta if getattr(call, name) else None
+                for name in (
+                    "dispatched_at",
+                    "send_deadline",
+                    "landing_deadline",
+                    "lookup_started_at",
+                    "next_reconcile_at",
+                )
+            }
         )
 
 

@@ -9,7 +9,6 @@ from django.utils import timezone
 from runs.engine.deciding import _continue_wait
 from runs.engine.lease import Lease, Outcome, _park_needs_attention, _release
 from runs.engine.toolcalls import (
-    _can_land_until,
     _complete_step,
     _dispatch,
     _fail_step,
@@ -19,7 +18,7 @@ from runs.engine.toolcalls import (
 )
 from runs.gate import get_gate
 from runs.models import Run, Step, ToolCall, ToolReceipt
-from runs.registry import Effect, Tool, UnknownTool, registry
+from runs.registry import Tool, UnknownTool, registry
 
 
 def _continue_step(lease: Lease, step: Step) -> str:
@@ -55,13 +54,11 @@ def _continue_step(lease: Lease, step: Step) -> str:
         )
         return _reconcile(lease, step, call, tool, interrupted=True)
     if status == ToolCall.Status.UNKNOWN and call.redispatch_authorized:
-        # An operator chose "dispatch again" (toolcall_resolve). Their call, not a lookup's,
-        # but the original request must still be unable to land before it is sent again.
-        can_land_until = _can_land_until(lease, call, tool)
-        if tool.effect not in (Effect.READ, Effect.IDEMPOTENT) and lease.now() < can_land_until:
-            _release(lease, wake_at=can_land_until)
-            return Outcome.PARKED
-        return _dispatch(lease, step, call, tool)
+        # An operator chose "dispatch again" (toolcall_resolve): their call replaces the
+        # hand-off to a person, but a tool with a lookup is still looked up first (a lookup
+        # that started after the original request could no longer land), and any other
+        # waits out its landing deadline (DESIGN §9)
+        return _reconcile(lease, step, call, tool, authorized=True)
     if status == ToolCall.Status.UNKNOWN:
         return _reconcile(lease, step, call, tool)
     # succeeded / failed with a receipt but the step still open

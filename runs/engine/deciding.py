@@ -182,7 +182,7 @@ def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tr
         else:
             # decided + dispatching share this commit: both come before the side effect
             if execute:
-                _mark_dispatching(cp, call, lease)
+                _mark_dispatching(cp, call, lease, tool)
             if at_commit:
                 cp.insert(call)
             else:
@@ -237,7 +237,7 @@ def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) ->
         # two-commit path would have, then handle the unknown outcome the ordinary way
         with lease.checkpoint() as cp:
             _record_decided(cp, lease, step, call)
-            _mark_dispatching(cp, call, lease)
+            _mark_dispatching(cp, call, lease, tool)
             fastsql.insert(call)
         lease.run.steps_used += 1
         lease.steps.append(step)
@@ -252,7 +252,7 @@ def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) ->
         # step, call and receipt: inserted with the events and the run's update (one
         # statement on PostgreSQL)
         _record_decided(cp, lease, step, call, at_commit=True)
-        _mark_dispatching(cp, call, lease)
+        _mark_dispatching(cp, call, lease, tool)
         call.dispatched_at = dispatched_at
         call.status = ToolCall.Status.SUCCEEDED if ok else ToolCall.Status.FAILED
         cp.insert(call)
@@ -409,6 +409,9 @@ def _decide_family_call(
         elif in_doubt:
             call.status = ToolCall.Status.UNKNOWN
             call.dispatched_at = sibling.dispatched_at
+            # the family's request may still land until the sibling's landing deadline
+            call.send_deadline = sibling.send_deadline
+            call.landing_deadline = sibling.landing_deadline
             call.last_error = (
                 f"key {call.idempotency_key} was dispatched by run {sibling.run_id} "
                 f"({sibling.status}) with no receipt"
@@ -431,7 +434,7 @@ def _decide_family_call(
             cp.boundary("approval_requested")
         else:
             if execute:
-                _mark_dispatching(cp, call, lease)
+                _mark_dispatching(cp, call, lease, tool)
             fastsql.insert(call)
     run.steps_used += 1
     lease.steps.append(step)

@@ -6,14 +6,18 @@ These call each other (an unknown outcome may be dispatched again), so they shar
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import nullcontext
 from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection
+from django.db.models import F
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from runs import transitions
+from runs.dbtime import DbNow, db_now, db_now_expression
 from runs.engine.lease import (
     Lease,
     Outcome,
@@ -33,6 +37,7 @@ from runs.registry import (
     Effect,
     LookupResult,
     OutcomeUnknown,
+    Resend,
     Tool,
     ToolContext,
     ToolFailed,
@@ -42,11 +47,17 @@ from runs.registry import (
 # --- dispatching ------------------------------------------------------------------------------
 
 
-def _mark_dispatching(cp, call: ToolCall, lease: Lease) -> None:
+def _mark_dispatching(cp, call: ToolCall, lease: Lease, tool: Tool) -> None:
     call.status = ToolCall.Status.DISPATCHING
     call.attempt_count += 1
-    # database time: compared with database time when deciding whether it can still land
-    call.dispatched_at = lease.now()
+    # DESIGN §9: the deadlines in the database's time, computed by the statement that writes
+    # the dispatch (never this worker's estimate); the local budget starts before that
+    # statement runs, so it can only end earlier than the database's deadlines
+    lease.dispatch_started = time.monotonic()
+    send, landing = _deadline_offsets(tool)
+    call.dispatched_at = DbNow()
+    call.send_deadline = DbNow(send)
+    call.landing_deadline = DbNow(landing)
     call.dispatch_incarnation = lease.fence
     cp.event(
         "tool.dispatching",
@@ -56,6 +67,13 @@ def _mark_dispatching(cp, call: ToolCall, lease: Lease) -> None:
         idempotency_key=call.idempotency_key,
     )
     cp.boundary("dispatching")
+
+
+def _deadline_offsets(tool: Tool) -> tuple[float, float]:
+    """Seconds after the dispatch until its send deadline — never later than the lease the
+    dispatching commit renews — and until its landing deadline."""
+    send = min(_conf("SEND_WINDOW"), _conf("LEASE_TTL"))
+    return send, send + tool.timeout + _conf("REDISPATCH_MARGIN")
 
 
 def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: bool = True) -> str:
@@ -102,17 +120,20 @@ def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: 
             elif needs_approval and call.attempt_count == 0:
                 raise GateRefused("the call needs an approval it does not have")
             expected = call.status
-            _mark_dispatching(cp, call, lease)
+            _mark_dispatching(cp, call, lease, tool)
             updated = ToolCall.objects.filter(id=call.id, status=expected).update(
                 status=call.status,
                 attempt_count=call.attempt_count,
-                dispatched_at=call.dispatched_at,
+                dispatched_at=db_now_expression(call.dispatched_at),
+                send_deadline=db_now_expression(call.send_deadline),
+                landing_deadline=db_now_expression(call.landing_deadline),
                 dispatch_incarnation=call.dispatch_incarnation,
                 reconcile_attempts=call.reconcile_attempts,
                 # an operator's "dispatch again" is used up by this dispatch
                 redispatch_authorized=False,
                 updated_at=timezone.now(),
             )
+            call.dispatched_at = call.send_deadline = call.landing_deadline = None
             if updated != 1:
                 raise LeaseLost(f"tool call {call.idempotency_key} changed under us")
     except GateRefused as exc:
@@ -172,21 +193,75 @@ class _LeaseKeeper:
             connection.close()
 
 
+class _NotSent(Exception):
+    """The pre-send check refused: the request did not leave."""
+
+
+def _presend_check(lease: Lease, call: ToolCall, tool: Tool) -> ToolContext:
+    """DESIGN §9: just before the request leaves, ONE query checks that this incarnation
+    still holds the lease and the call is still its dispatch, and that the database's clock
+    is before the send deadline; it reads the deadlines back. ``_NotSent`` otherwise: a
+    paused worker that woke up after its lease was taken over, or after its send deadline,
+    never sends."""
+    checked_at = time.monotonic()
+    row = (
+        ToolCall.objects.filter(
+            id=call.id,
+            status=ToolCall.Status.DISPATCHING,
+            dispatch_incarnation=lease.fence,
+            attempt_count=call.attempt_count,
+            run__fence=lease.fence,
+            run__status=Run.Status.RUNNING,
+            send_deadline__gt=Now(),
+        )
+        .values_list("dispatched_at", "send_deadline", "landing_deadline")
+        .first()
+    )
+    if row is None:
+        raise _NotSent(
+            "not sent: the send deadline passed or the lease was lost before the request "
+            "could leave"
+        )
+    call.dispatched_at, call.send_deadline, call.landing_deadline = row
+    started = getattr(lease, "dispatch_started", None) or checked_at
+    return ToolContext(
+        run_id=str(lease.run.id),
+        idempotency_key=call.idempotency_key,
+        attempt=call.attempt_count,
+        timeout=tool.timeout,
+        fence=lease.fence,
+        send_deadline=call.send_deadline,
+        send_by=started + min(_conf("SEND_WINDOW"), _conf("LEASE_TTL")),
+        finish_by=checked_at + tool.timeout,
+    )
+
+
 def _call_tool(
     lease: Lease, call: ToolCall, tool: Tool, *, attempt: int
 ) -> tuple[bool | None, ToolResult | None, str]:
     """The external call: (ok, result, error); ok is None when the outcome is unknown."""
-    ctx = ToolContext(
-        run_id=str(lease.run.id),
-        idempotency_key=call.idempotency_key,
-        attempt=attempt,
-        timeout=tool.timeout,
-    )
     from runs import faults
 
     ok: bool | None
     result: ToolResult | None = None
     error = ""
+    if tool.effect == Effect.READ:
+        # no side effect to guard: a late read harms nobody
+        ctx = ToolContext(
+            run_id=str(lease.run.id),
+            idempotency_key=call.idempotency_key,
+            attempt=attempt,
+            timeout=tool.timeout,
+            fence=lease.fence,
+            finish_by=time.monotonic() + tool.timeout,
+        )
+    else:
+        try:
+            ctx = _presend_check(lease, call, tool)
+        except _NotSent as exc:
+            return None, None, str(exc)
+        # contract (DESIGN §9): after the pre-send check, before the request
+        faults.crash_point("before_send")
     # The last commit renewed the lease for a full TTL; only a call that may outlast half
     # of it needs a renewal thread.
     keeper = _LeaseKeeper(lease) if tool.timeout > _conf("LEASE_TTL") / 2 else nullcontext()
@@ -307,35 +382,55 @@ def _mark_unknown(lease: Lease, call: ToolCall, error: str) -> None:
 
 
 def _reconcile(
-    lease: Lease, step: Step, call: ToolCall, tool: Tool, *, interrupted: bool = False
+    lease: Lease,
+    step: Step,
+    call: ToolCall,
+    tool: Tool,
+    *,
+    interrupted: bool = False,
+    authorized: bool = False,
 ) -> str:
     """Decide an unknown outcome without ever repeating a side effect that may have happened.
-    ``interrupted``: the call was left in dispatching by a process that died."""
+    ``interrupted``: the call was left in dispatching by a process that died. ``authorized``:
+    an operator chose "dispatch again" — their call replaces ``resend: person`` and an unsafe
+    tool's hand-off, never the rule that a re-send waits for a lookup that started after the
+    original request could no longer land (DESIGN §9)."""
     if tool.effect == Effect.READ:
         # No side effect: simply call it again. Only outcomes seen to be unknown count toward
         # READ_MAX_ATTEMPTS: an attempt cut short by a crash says nothing about the tool (a
         # crash loop ends at MAX_RECOVERIES). The count is written with the re-dispatch, so
         # a crash between the two cannot count one failure twice.
         failures = call.reconcile_attempts + (0 if interrupted else 1)
-        if failures >= _conf("READ_MAX_ATTEMPTS"):
+        if failures >= _conf("READ_MAX_ATTEMPTS") and not authorized:
             _fail_step(lease, step, f"read tool failed {failures} times: {call.last_error}")
             return Outcome.CONTINUE
         call.reconcile_attempts = failures
         return _dispatch(lease, step, call, tool)
-    if tool.effect == Effect.UNSAFE:
-        _park_needs_attention(
-            lease,
-            Run.Reason.UNKNOWN_OUTCOME,
-            f"{tool.name} (unsafe) may or may not have acted: {call.last_error}",
-        )
-        return Outcome.PARKED
-    if tool.reconcile is None:
-        # idempotent without a lookup: the external system deduplicates by key
+    if tool.reconcile is None and tool.honours_key:
+        # the external system deduplicates by key: the same key again is the lookup
+        return _dispatch(lease, step, call, tool)
+    if tool.effect == Effect.UNSAFE or tool.reconcile is None:
+        if not authorized:
+            _park_needs_attention(
+                lease,
+                Run.Reason.UNKNOWN_OUTCOME,
+                f"{tool.name} ({tool.effect}) may or may not have acted: {call.last_error}",
+            )
+            return Outcome.PARKED
+        # nothing to look up: the person decided; the original may still not land first
+        can_land_until = _can_land_until(lease, call, tool)
+        if db_now() < can_land_until:
+            _release(lease, wake_at=can_land_until)
+            return Outcome.PARKED
         return _dispatch(lease, step, call, tool)
 
     if call.next_reconcile_at is not None and call.next_reconcile_at > lease.now():
         _release(lease, wake_at=call.next_reconcile_at)
         return Outcome.PARKED
+    # when the lookup STARTED, in database time: only a lookup that began after the original
+    # request could no longer land proves that it never will (one that straddles the
+    # deadline may have looked before the request landed)
+    lookup_started = db_now()
     try:
         found = tool.reconcile(call.idempotency_key, call.arguments)
         outcome, detail = found.outcome, found.detail
@@ -347,7 +442,10 @@ def _reconcile(
     if outcome == LookupResult.FOUND:
         with lease.checkpoint() as cp:
             ToolCall.objects.filter(id=call.id).update(
-                reconcile_attempts=attempt, next_reconcile_at=None
+                reconcile_attempts=attempt,
+                next_reconcile_at=None,
+                lookup_started_at=lookup_started,
+                lookups_begun=F("lookups_begun") + 1,
             )
             cp.event(
                 "tool.reconcile_attempted",
@@ -355,6 +453,7 @@ def _reconcile(
                 attempt=attempt,
                 outcome="found",
                 detail=detail,
+                started_at=lookup_started.isoformat(),
             )
             _record_receipt(
                 cp,
@@ -369,13 +468,18 @@ def _reconcile(
         return Outcome.CONTINUE
 
     if outcome == LookupResult.ABSENT:
-        # Reliably absent. An idempotent system may simply get the same key again; any other
-        # waits until the original request can no longer land.
+        # Reliably absent — as of when the lookup started. A re-send waits until a lookup
+        # that started after the landing deadline says so.
         can_land_until = _can_land_until(lease, call, tool)
-        must_wait = tool.effect != Effect.IDEMPOTENT and lease.now() < can_land_until
+        # a downstream that deduplicates by key may simply get the same key again
+        too_early = not tool.honours_key and lookup_started < can_land_until
+        to_person = not too_early and tool.resend == Resend.PERSON and not authorized
         with lease.checkpoint() as cp:
             ToolCall.objects.filter(id=call.id).update(
-                reconcile_attempts=attempt, next_reconcile_at=can_land_until if must_wait else None
+                reconcile_attempts=attempt,
+                next_reconcile_at=can_land_until if too_early else None,
+                lookup_started_at=lookup_started,
+                lookups_begun=F("lookups_begun") + 1,
             )
             cp.event(
                 "tool.reconcile_attempted",
@@ -383,11 +487,21 @@ def _reconcile(
                 attempt=attempt,
                 outcome="absent",
                 detail=detail,
-                redispatch_after=can_land_until.isoformat() if must_wait else None,
+                started_at=lookup_started.isoformat(),
+                redispatch_after=can_land_until.isoformat() if too_early else None,
             )
-            if must_wait:
+            if too_early:
+                # look again once it can no longer land
                 _release_in(cp, wake_at=can_land_until)
-        if must_wait:
+        if too_early:
+            return Outcome.PARKED
+        if to_person:
+            _park_needs_attention(
+                lease,
+                Run.Reason.UNKNOWN_OUTCOME,
+                f"{tool.name}: the lookup found nothing under key {call.idempotency_key}; "
+                "the tool sends again only when a person says so (resend: person)",
+            )
             return Outcome.PARKED
         call.reconcile_attempts = attempt
         return _dispatch(lease, step, call, tool)
@@ -430,7 +544,18 @@ def _reconcile(
 
 
 def _can_land_until(lease: Lease, call: ToolCall, tool: Tool) -> datetime:
-    """Until when a request sent at the call's last dispatch may still reach the system."""
-    return (call.dispatched_at or lease.now()) + timedelta(
-        seconds=tool.timeout + _conf("REDISPATCH_MARGIN")
-    )
+    """Until when a request sent at the call's last dispatch may still reach the system:
+    its landing deadline, computed in database time by the dispatch (DESIGN §9). A call
+    dispatched before deadlines were recorded: its dispatch time + the longest send window
+    + the tool's timeout + the margin."""
+    if call.landing_deadline is None and call.pk is not None:
+        call.landing_deadline = (
+            ToolCall.objects.filter(id=call.id).values_list("landing_deadline", flat=True).first()
+        )
+    if call.landing_deadline is not None:
+        return call.landing_deadline
+    if call.dispatched_at is None and call.pk is not None:
+        call.dispatched_at = (
+            ToolCall.objects.filter(id=call.id).values_list("dispatched_at", flat=True).first()
+        )
+    return (call.dispatched_at or lease.now()) + timedelta(seconds=_deadline_offsets(tool)[1])

@@ -89,8 +89,14 @@ def test_failed_request_is_redispatched_with_the_same_key_only_after_it_can_no_l
     assert call.status == ToolCall.Status.UNKNOWN
     assert run.status == Run.Status.QUEUED
     assert run.wake_at is not None
-    tool_window = REFUND_PAYMENT.timeout + settings.AGENTOPS["REDISPATCH_MARGIN"]
-    assert (run.wake_at - call.dispatched_at).total_seconds() == pytest.approx(tool_window)
+    # DESIGN §9: the landing deadline, computed by the dispatch in database time
+    send_window = settings.AGENTOPS["SEND_WINDOW"]
+    assert (call.send_deadline - call.dispatched_at).total_seconds() == pytest.approx(send_window)
+    tool_window = send_window + REFUND_PAYMENT.timeout + settings.AGENTOPS["REDISPATCH_MARGIN"]
+    assert (call.landing_deadline - call.dispatched_at).total_seconds() == pytest.approx(
+        tool_window
+    )
+    assert run.wake_at == call.landing_deadline
     assert run.wake_at > timezone.now()
     assert len(refund_posts(sandbox)) == 1
     assert refunds(sandbox) == []

@@ -106,7 +106,7 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         try:
-            faults.parse_crash_spec(os.environ.get("AGENTOPS_CRASH_AT"))
+            faults.check_environment()
         except faults.BadCrashSpec as exc:
             raise CommandError(str(exc)) from None
         name = options["name"] or workers.default_worker_name()
