@@ -452,5 +452,30 @@ class Registry:
     def tools(self) -> list[Tool]:
         return sorted(self._tools.values(), key=lambda t: t.name)
 
+    def unguarded_tools(self) -> list[Tool]:
+        """Registered tools whose unknown outcome is re-sent by themselves after an absent
+        lookup, to a downstream that honours neither the key nor the send deadline: for
+        them a worker frozen between its pre-send check and its request's last byte can
+        still duplicate the effect (docs/agents.md, "What the downstream honours")."""
+        return [
+            tool
+            for tool in self.tools()
+            if tool.effect == Effect.RECONCILABLE
+            and not tool.honours_key
+            and not tool.honours_deadline
+            and tool.resend == Resend.AUTO
+        ]
+
+    def warn_unguarded(self, log: Any) -> None:
+        """One warning per such tool (runworker, at start)."""
+        for tool in self.unguarded_tools():
+            log.warning(
+                "tool %s is reconcilable but its downstream honours neither the idempotency "
+                "key nor the send deadline: a worker frozen right before its request leaves "
+                "can still duplicate the effect; declare honours_key / honours_deadline, or "
+                'resend="person" (docs/agents.md)',
+                tool.name,
+            )
+
 
 registry = Registry()

@@ -34,6 +34,7 @@ from django.db import (
 )
 
 from runs import engine, faults, sweeper, workers
+from runs.registry import registry
 
 log = logging.getLogger("runs.worker")
 
@@ -145,6 +146,7 @@ class Command(BaseCommand):
             # always runs beside a cluster, and nothing the cluster does waits for it
             taken = self._at_start(name, requested, lambda: workers.take_over_predecessor(name))
             log.info("worker %s started (took over and woke %d runs)", name, taken)
+            registry.warn_unguarded(log)
             os.environ["AGENTOPS_WORKER_NAME"] = name
             engine.set_stop_check(stopping.is_set)
             faults.share_counts()  # AGENTOPS_CRASH_AT=<boundary>:<n> counts the whole worker

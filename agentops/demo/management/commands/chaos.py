@@ -71,6 +71,7 @@ KILL_ORDER = (
     "claimed",
     "decided",
     "dispatching",
+    "before_send",
     "tool_call",
     "receipt_recorded",
     "step_completed",
