@@ -14,6 +14,7 @@ and before the last byte is written.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING, Any
 
 from runs.registry import OutcomeUnknown, SendDeadlinePassed, ToolContext, ToolFailed
@@ -26,6 +27,8 @@ if TYPE_CHECKING:
 LATE_CODE = "send_deadline_passed"
 
 _PHASES = ("connect", "read", "write", "pool")
+# the phases' own timeouts end the request first; this only covers a trickling answer
+_JOIN_GRACE = 0.05
 
 
 def request(
@@ -56,15 +59,30 @@ def request(
 
     headers = {**ctx.headers(), **kwargs.pop("headers", {})}
     extensions = {**kwargs.pop("extensions", {}), "trace": trace}
+    outcome: dict[str, Any] = {}
+
+    def send() -> None:
+        try:
+            with httpx.Client(timeout=httpx.Timeout(ctx.remaining())) as client:
+                outcome["response"] = client.request(
+                    method, url, headers=headers, extensions=extensions, **kwargs
+                )
+        except BaseException as exc:  # handed to the caller's thread
+            outcome["error"] = exc
+
+    # The phases' timeouts bound the connection and the writing (so the request cannot land
+    # after the budget); an answer that trickles in byte by byte would still outlast it, so
+    # the caller waits only for what is left of the budget. A request left running then is
+    # past its last write: it can only read.
+    thread = threading.Thread(target=send, daemon=True, name="toolhttp")
+    thread.start()
+    thread.join(ctx.remaining() + _JOIN_GRACE)
+    if thread.is_alive():
+        raise OutcomeUnknown(f"{method} {url}: no complete answer within {ctx.timeout}s in all")
     try:
-        response = httpx.request(
-            method,
-            url,
-            headers=headers,
-            timeout=httpx.Timeout(ctx.remaining()),
-            extensions=extensions,
-            **kwargs,
-        )
+        if "error" in outcome:
+            raise outcome["error"]
+        response = outcome["response"]
     except SendDeadlinePassed:
         raise
     except httpx.TimeoutException as exc:
