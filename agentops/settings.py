@@ -55,6 +55,8 @@ MIDDLEWARE = [
     # /healthz, /healthz/workers, /metrics: answered before Host validation (probes and
     # scrapers address machines by IP), each guarding itself (runs/health.py)
     "runs.health.ProbeMiddleware",
+    # a NUL character in a path or query string: 400, before any view or database sees it
+    "runs.middleware.RefuseNulMiddleware",
     "django.middleware.security.SecurityMiddleware",
     # serves static/ (htmx, css) from the app server too, so `gunicorn` needs no web server
     # in front for them
@@ -210,7 +212,8 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["rest_framework.parsers.JSONParser"],
+    "DEFAULT_PARSER_CLASSES": ["runs.api_common.LimitedJSONParser"],
+    "DEFAULT_METADATA_CLASS": "runs.api_common.PlainMetadata",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
     # every error is {"code", "detail"} (+ "fields" for validation_error)
@@ -294,6 +297,13 @@ AGENTOPS = {
     # reconciliation lookups that fail or cannot decide: retried with backoff, then a person
     "RECONCILE_MAX_ATTEMPTS": env_int("AGENTOPS_RECONCILE_MAX_ATTEMPTS", 5),
     "RECONCILE_BACKOFF": env_float("AGENTOPS_RECONCILE_BACKOFF", 1.0),
+    # issue 18: JSON that comes in (API bodies, console and approval forms, commands) is
+    # refused past these limits, or with a NUL character, with a 400 and a code
+    # (json_too_deep, json_too_large, nul_byte); a tool's or lookup's answer is stored with
+    # the offending parts replaced instead (runs.jsonlimits)
+    "JSON_MAX_DEPTH": env_int("AGENTOPS_JSON_MAX_DEPTH", 32),
+    "JSON_MAX_BYTES": env_int("AGENTOPS_JSON_MAX_BYTES", 1024 * 1024),
+    "JSON_MAX_STRING": env_int("AGENTOPS_JSON_MAX_STRING", 64 * 1024),
     # DESIGN §9: a dispatched request may leave only within this many seconds of its
     # ``dispatching`` commit (and never after that commit's lease expiry): its send deadline
     "SEND_WINDOW": env_float("AGENTOPS_SEND_WINDOW", 2.0),

@@ -36,6 +36,7 @@ from approvals.services import (
     approval_link_decide,
     approval_link_get,
 )
+from runs import jsonlimits
 from runs.actors import Actor, PermissionDenied
 from runs.services import InvalidInput
 
@@ -88,7 +89,9 @@ class DecisionForm(forms.Form):
             self.add_error("comment", "Write a comment.")
         if action == "edit":
             try:
-                edited = json.loads(data.get("arguments") or "")
+                edited = jsonlimits.loads(data.get("arguments") or "")
+            except jsonlimits.JsonRejected as exc:
+                self.add_error("arguments", f"{exc.detail}.")
             except ValueError as exc:
                 self.add_error("arguments", f"Not valid JSON: {exc}")
             else:

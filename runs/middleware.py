@@ -13,7 +13,7 @@ from collections.abc import Callable
 from functools import lru_cache
 
 from django.conf import settings
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, JsonResponse
 from django.shortcuts import resolve_url
 from django.utils import timezone
 
@@ -68,3 +68,21 @@ class HtmxLoginRedirectMiddleware:
             redirect["HX-Redirect"] = response["Location"]
             return redirect
         return response
+
+
+class RefuseNulMiddleware:
+    """A NUL character in the path or the query string is bad input, answered with a 400
+    before any view runs: PostgreSQL cannot compare text containing one (a lookup by such a
+    name failed with a server error), SQLite can — the two databases would disagree."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        query = request.META.get("QUERY_STRING", "")
+        if "\x00" in request.path or "%00" in query or "\x00" in query:
+            body = {"code": "nul_byte", "detail": "NUL characters are not allowed in a URL"}
+            if request.path.startswith("/api/"):
+                return JsonResponse(body, status=400)
+            return HttpResponseBadRequest(body["detail"], content_type="text/plain")
+        return self.get_response(request)

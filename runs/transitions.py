@@ -39,11 +39,13 @@ def record_receipt(
     recorded_by: str,
     incarnation: int | None,
     later: bool = False,
+    notes: tuple[str, ...] | list[str] = (),
 ) -> ToolReceipt:
     """``receipt_recorded``: the call's outcome, whoever learned it. ``later``: the receipt
     and the call's new status are written with the commit's events (``cp.insert``,
     ``cp.update_row``: one statement on PostgreSQL); a call itself still waiting in
-    ``cp.insert`` is inserted with its final status, so it needs no update."""
+    ``cp.insert`` is inserted with its final status, so it needs no update. ``notes``: what
+    was changed to make the answer storable (``runs.jsonlimits.sanitize``), in the event."""
     receipt = ToolReceipt(
         tool_call=call,
         outcome=ToolReceipt.Outcome.SUCCEEDED if ok else ToolReceipt.Outcome.FAILED,
@@ -68,6 +70,7 @@ def record_receipt(
         attempt=call.attempt_count,
         source=source,
         external_ref=external_ref or "",
+        **({"stored_with_changes": list(notes)} if notes else {}),
     )
     cp.boundary("receipt_recorded")
     return receipt

@@ -25,6 +25,7 @@ from runs.engine.toolcalls import (
     _mark_unknown,
     _reconcile,
     _record_receipt,
+    _storage_notes,
 )
 from runs.events import Checkpoint
 from runs.gate import gate_installed, get_gate
@@ -265,6 +266,7 @@ def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) ->
             external_ref=result.external_ref if result else "",
             source=ToolReceipt.Source.TOOL,
             later=True,
+            notes=_storage_notes(result),
         )
         transitions.apply_to_state(cp, run=lease.run, agent=lease.agent, step=step)
     lease.run.steps_used += 1

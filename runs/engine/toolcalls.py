@@ -16,7 +16,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import transitions
+from runs import jsonlimits, transitions
 from runs.dbtime import DbNow, db_now, db_now_expression
 from runs.engine.lease import (
     Lease,
@@ -37,6 +37,7 @@ from runs.registry import (
     Effect,
     LookupResult,
     OutcomeUnknown,
+    Reconciliation,
     Resend,
     Tool,
     ToolContext,
@@ -276,8 +277,37 @@ def _call_tool(
         except Exception as exc:
             # Unexpected: we cannot tell whether the side effect happened.
             ok, error = None, _describe(exc)
+    if result is not None:
+        _make_storable(lease, call, result)
     faults.crash_point("tool_call")
     return ok, result, error
+
+
+def _make_storable(lease: Lease, call: ToolCall, answer: ToolResult | Reconciliation) -> None:
+    """A tool's or a lookup's answer records a real effect: it is never refused over a bad
+    value (a NUL character, a string too long, nesting too deep — a receipt that cannot be
+    written would loop the run to its recovery limit after the effect). The offending parts
+    are replaced (``runs.jsonlimits.sanitize``) and the receipt's event says what changed."""
+    answer.result, notes = jsonlimits.sanitize(answer.result)
+    ref = answer.external_ref or ""
+    if "\x00" in ref or len(ref) > _EXTERNAL_REF_MAX:
+        notes.append(f"external reference cleaned and cut to {_EXTERNAL_REF_MAX} characters")
+        answer.external_ref = ref.replace("\x00", "\ufffd")[:_EXTERNAL_REF_MAX]
+    if notes:
+        log.warning(
+            "run %s: %s answered a value that had to be changed to be stored: %s",
+            lease.run.id,
+            call.tool_name,
+            "; ".join(notes),
+        )
+    answer._storage_notes = tuple(notes)
+
+
+def _storage_notes(answer: Any) -> tuple[str, ...]:
+    return getattr(answer, "_storage_notes", ())
+
+
+_EXTERNAL_REF_MAX = ToolReceipt._meta.get_field("external_ref").max_length
 
 
 def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
@@ -297,6 +327,7 @@ def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
             external_ref=result.external_ref if result else "",
             source=ToolReceipt.Source.TOOL,
             later=True,
+            notes=_storage_notes(result),
         )
         _complete_step(
             cp, lease, step, call, ok, result.result if result else None, error, later=True
@@ -314,6 +345,7 @@ def _record_receipt(
     external_ref: str,
     source: str,
     later: bool = False,
+    notes: tuple[str, ...] = (),
 ) -> None:
     transitions.record_receipt(
         cp,
@@ -325,6 +357,7 @@ def _record_receipt(
         recorded_by=lease.actor,
         incarnation=lease.fence,
         later=later,
+        notes=notes,
     )
 
 
@@ -440,6 +473,7 @@ def _reconcile(
 
     attempt = call.reconcile_attempts + 1
     if outcome == LookupResult.FOUND:
+        _make_storable(lease, call, found)
         with lease.checkpoint() as cp:
             ToolCall.objects.filter(id=call.id).update(
                 reconcile_attempts=attempt,
@@ -463,6 +497,7 @@ def _reconcile(
                 result=found.result,
                 external_ref=found.external_ref,
                 source=ToolReceipt.Source.RECONCILIATION,
+                notes=_storage_notes(found),
             )
             _complete_step(cp, lease, step, call, True, found.result, "")
         return Outcome.CONTINUE

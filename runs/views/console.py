@@ -23,7 +23,7 @@ from django.urls import NoReverseMatch, reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_http_methods, require_POST
 
-from runs import selectors, services
+from runs import jsonlimits, selectors, services
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
 from runs.events import RunNotFound
@@ -180,13 +180,13 @@ class StartRunForm(forms.Form):
     def clean_input(self) -> dict[str, Any]:
         raw = self.cleaned_data["input"]
         try:
-            value = json.loads(raw)
-        except json.JSONDecodeError as exc:
+            value = jsonlimits.loads(raw)
+        except jsonlimits.JsonRejected as exc:
+            raise forms.ValidationError(f"{exc.detail}.", code=exc.code) from None
+        except ValueError as exc:
             raise forms.ValidationError(f"This is not valid JSON: {exc}") from None
         if not isinstance(value, dict):
             raise forms.ValidationError("The input must be a JSON object ({...}).")
-        if "\x00" in raw:
-            raise forms.ValidationError("Null characters are not allowed.")
         return value
 
 

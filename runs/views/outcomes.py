@@ -20,7 +20,7 @@ from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.middleware import HtmxDetails
 
-from runs import selectors, services, timeline
+from runs import jsonlimits, selectors, services, timeline
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
 from runs.models import Run, RunEvent, ToolCall
@@ -58,12 +58,12 @@ class ResolveForm(forms.Form):
         if not text:
             return None
         try:
-            value = json.loads(text)
+            # PostgreSQL cannot store U+0000 in jsonb: bad input, not a failed insert
+            value = jsonlimits.loads(text)
+        except jsonlimits.JsonRejected as exc:
+            raise forms.ValidationError(f"{exc.detail}.", code=exc.code) from None
         except ValueError as exc:
             raise forms.ValidationError(f"Not valid JSON: {exc}") from None
-        if _has_null_character(value):
-            # PostgreSQL cannot store U+0000 in jsonb: bad input, not a failed insert
-            raise forms.ValidationError("Null characters are not allowed.")
         return value
 
     def clean(self) -> dict[str, Any]:
@@ -90,16 +90,6 @@ class ResolveForm(forms.Form):
                 "Tick the box to confirm you accept that risk.",
             )
         return data
-
-
-def _has_null_character(value: Any) -> bool:
-    if isinstance(value, str):
-        return "\x00" in value
-    if isinstance(value, dict):
-        return any(_has_null_character(k) or _has_null_character(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_has_null_character(v) for v in value)
-    return False
 
 
 def _may_view(user: Any) -> bool:

@@ -344,6 +344,9 @@ def test_starting_a_run_creates_it_as_the_operator(client, operator):
         ({"agent": "no-such-agent"}, "agent", "Select a valid choice"),
         ({"max_steps": "0"}, "max_steps", "greater than or equal to 1"),
         ({"input": ""}, "input", "This field is required"),
+        # issue 18: the JSON rule, the same on both databases
+        ({"input": '{"a": ' * 1000 + "1" + "}" * 1000}, "input", "nested more than 32"),
+        ({"input": '{"order_id": "ord_1\\u0000"}'}, "input", "NUL characters"),
     ],
 )
 def test_start_form_errors_are_shown_and_nothing_is_created(client, operator, data, field, message):

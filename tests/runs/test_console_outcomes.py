@@ -384,7 +384,7 @@ def test_htmx_resolution_replaces_the_card_and_signals_the_change(
         ({"outcome": "dispatch_again"}, "Tick the box to confirm you accept that risk"),
         ({"outcome": "happened"}, "Give the external system&#x27;s reference and/or the result"),
         ({"outcome": "happened", "result": "{not json"}, "Not valid JSON"),
-        ({"outcome": "happened", "result": '"\\u0000"'}, "Null characters are not allowed"),
+        ({"outcome": "happened", "result": '"\\u0000"'}, "NUL characters"),
         ({"outcome": "happened", "external_ref": "x" * 201}, "at most 200 characters"),
         ({"outcome": "maybe"}, "Select a valid choice"),
         ({"outcome": "reconcile"}, "has no lookup by key"),

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import json
-
 from django.core.management.base import BaseCommand, CommandError
 from django.db import OperationalError
 
+from runs import jsonlimits
 from runs.actors import Actor
 from runs.registry import UnknownAgent
 from runs.services import InvalidInput, run_create
@@ -23,8 +22,10 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         try:
-            data = json.loads(options["input"])
-        except json.JSONDecodeError as exc:
+            data = jsonlimits.loads(options["input"])
+        except jsonlimits.JsonRejected as exc:
+            raise CommandError(f"--input: {exc.detail}") from None
+        except ValueError as exc:
             raise CommandError(f"--input is not valid JSON: {exc}") from None
         if not isinstance(data, dict):
             raise CommandError("--input must be a JSON object")
