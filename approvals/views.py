@@ -38,7 +38,11 @@ from approvals.services import (
 )
 from runs import jsonlimits
 from runs.actors import Actor, PermissionDenied
+from runs.forms import UnclippedCharField
 from runs.services import InvalidInput
+
+# what a decision's comment may hold (ApprovalDecision.comment is free text)
+COMMENT_MAX = 2000
 
 
 class HtmxHttpRequest(HttpRequest):
@@ -77,7 +81,7 @@ class DecisionForm(forms.Form):
         ("comment", "Comment"),
     ]
     action = forms.ChoiceField(choices=ACTIONS)
-    comment = forms.CharField(required=False, max_length=2000, widget=forms.Textarea)
+    comment = UnclippedCharField(required=False, max_length=COMMENT_MAX, widget=forms.Textarea)
     arguments = forms.CharField(required=False, widget=forms.Textarea)
 
     def clean(self) -> dict[str, Any]:
@@ -256,10 +260,19 @@ def approval_link(request: HttpRequest, token: str) -> HttpResponse:
         return _link_page(request, state, link=link, status=_LINK_STATUS[state])
 
     decision = request.POST.get("decision", "")
-    comment = request.POST.get("comment", "").strip()[:2000]
+    comment = request.POST.get("comment", "").strip()
     if decision not in ApprovalDecision.DECIDING:
         return _link_page(
             request, "confirm", link=link, status=400, error="Choose Approve or Reject."
+        )
+    if len(comment) > COMMENT_MAX or "\x00" in comment:
+        # never cut silently: the approver sees why, and nothing is decided
+        return _link_page(
+            request,
+            "confirm",
+            link=link,
+            status=400,
+            error=f"The comment must be at most {COMMENT_MAX} characters, without NUL characters.",
         )
     if decision == ApprovalDecision.Decision.REJECT and not comment:
         return _link_page(

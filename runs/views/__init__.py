@@ -17,6 +17,7 @@ from django_htmx.middleware import HtmxDetails
 from runs import selectors, waits
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
+from runs.forms import UnclippedCharField
 from runs.models import Question
 from runs.services import InvalidInput
 
@@ -32,7 +33,7 @@ class HtmxHttpRequest(HttpRequest):
 
 
 class AnswerForm(forms.Form):
-    answer = forms.CharField(max_length=waits.ANSWER_MAX, widget=forms.Textarea)
+    answer = UnclippedCharField(max_length=waits.ANSWER_MAX, widget=forms.Textarea)
 
     def __init__(self, *args: Any, question: Question, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

@@ -27,6 +27,7 @@ from runs import jsonlimits, selectors, services
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
 from runs.events import RunNotFound
+from runs.forms import UnclippedCharField
 from runs.models import Run
 from runs.registry import UnknownAgent, registry
 from runs.views import HtmxHttpRequest
@@ -154,7 +155,7 @@ def run_list(request: HtmxHttpRequest) -> HttpResponse:
 
 class StartRunForm(forms.Form):
     agent = forms.ChoiceField(choices=())
-    goal = forms.CharField(
+    goal = UnclippedCharField(
         max_length=2000,
         required=False,
         widget=forms.TextInput(attrs={"placeholder": "What should the agent achieve?"}),
@@ -260,7 +261,7 @@ class BulkForm(forms.Form):
         choices=ACTIONS,
         error_messages={"required": "Choose an action.", "invalid_choice": "Choose an action."},
     )
-    reason = forms.CharField(max_length=2000, required=False, strip=True)
+    reason = UnclippedCharField(max_length=2000, required=False, strip=True)
     next = forms.CharField(max_length=2000, required=False)
 
     def clean(self) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from runs import selectors, services, timeline
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
 from runs.events import RunNotFound
+from runs.forms import UnclippedCharField
 from runs.models import Run, ToolCall
 from runs.registry import UnknownAgent, registry
 
@@ -48,11 +49,11 @@ class HtmxHttpRequest(HttpRequest):
 
 
 class PauseForm(forms.Form):
-    reason = forms.CharField(required=False, max_length=2000)
+    reason = UnclippedCharField(required=False, max_length=2000)
 
 
 class TerminateForm(forms.Form):
-    reason = forms.CharField(
+    reason = UnclippedCharField(
         max_length=2000,
         error_messages={"required": "Give a reason: it is recorded in the run's timeline."},
     )

@@ -23,6 +23,7 @@ from django_htmx.middleware import HtmxDetails
 from runs import jsonlimits, selectors, services, timeline
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
+from runs.forms import UnclippedCharField
 from runs.models import Run, RunEvent, ToolCall
 from runs.registry import Effect, Tool, UnknownTool, registry
 from runs.services import Resolution
@@ -45,8 +46,8 @@ class ResolveForm(forms.Form):
             (Resolution.DISPATCH_AGAIN, "Dispatch again with the same key"),
         ]
     )
-    external_ref = forms.CharField(required=False, max_length=200)
-    result = forms.CharField(required=False, max_length=RESULT_MAX_CHARS, widget=forms.Textarea)
+    external_ref = UnclippedCharField(required=False, max_length=200)
+    result = UnclippedCharField(required=False, max_length=RESULT_MAX_CHARS, widget=forms.Textarea)
     confirm_risk = forms.BooleanField(required=False)
 
     def __init__(self, *args: Any, call: ToolCall, **kwargs: Any) -> None:

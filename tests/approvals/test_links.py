@@ -172,6 +172,21 @@ def test_rejecting_through_a_link_needs_a_reason(
 
 
 @pytest.mark.django_db
+def test_a_comment_over_the_limit_is_refused_not_cut(
+    django_capture_on_commit_callbacks, client, sandbox, system_actor, alice
+):
+    _, approval = requested(django_capture_on_commit_callbacks, system_actor)
+    token = token_for("alice@example.com")
+    before = _snapshot(approval)
+
+    page = _post(client, token, "reject", comment="x" * 2001)
+
+    assert page.status_code == 400
+    assert b"at most 2000 characters" in page.content
+    assert _snapshot(approval) == before
+
+
+@pytest.mark.django_db
 def test_a_link_after_someone_else_decided_shows_their_decision(
     django_capture_on_commit_callbacks, client, sandbox, system_actor, alice, bob
 ):

@@ -346,6 +346,8 @@ def test_starting_a_run_creates_it_as_the_operator(client, operator):
         ({"input": ""}, "input", "This field is required"),
         # issue 18: the JSON rule, the same on both databases
         ({"input": '{"a": ' * 1000 + "1" + "}" * 1000}, "input", "nested more than 32"),
+        # never cut to fit: an error naming the limit
+        ({"goal": "g" * 2001}, "goal", "at most 2000 characters"),
         ({"input": '{"order_id": "ord_1\\u0000"}'}, "input", "NUL characters"),
     ],
 )
@@ -360,7 +362,7 @@ def test_start_form_errors_are_shown_and_nothing_is_created(client, operator, da
     assert message in response.content.decode()
     assert not Run.objects.exists()
     # what the operator typed is kept
-    assert response.context["form"]["goal"].value() == "g"
+    assert response.context["form"]["goal"].value() == post["goal"]
 
 
 def test_start_refuses_a_user_without_start_permission(client, viewer, approver):
@@ -615,3 +617,12 @@ def test_permissions_matrix(as_role, role, system_actor):
         assert 'id="bulk-form"' not in view.content.decode()
     if may_bulk:
         assert 'id="bulk-form"' in view.content.decode()
+
+
+def test_no_text_field_is_cut_by_the_browser(client, operator):
+    # a maxlength attribute makes a browser cut pasted text without a word (issue 18)
+    client.force_login(operator)
+
+    page = client.get(START).content.decode()
+
+    assert "maxlength" not in page
