@@ -505,7 +505,7 @@ def terminate_runs(modeladmin, request, queryset):
         actor = Actor.for_user(request.user, "admin")
         terminated = requested = 0
         failures: list[str] = []
-        for run_id in queryset.values_list("id", flat=True).iterator(chunk_size=500):
+        for run_id in _ids_in_chunks(queryset):
             try:
                 # a savepoint per run: a refusal rolls back that run only, and leaves any
                 # enclosing transaction usable for the next one
@@ -546,13 +546,27 @@ def terminate_runs(modeladmin, request, queryset):
     )
 
 
+def _ids_in_chunks(queryset, size: int = 500):
+    """The selected runs' ids, a chunk at a time, with no cursor left open between chunks:
+    a service may enqueue work, and django-q's ORM broker closes the connection (on SQLite
+    an open server-side ``iterator()`` then failed after the first run)."""
+    ids = queryset.order_by("pk").values_list("pk", flat=True)
+    last = None
+    while True:
+        chunk = list((ids if last is None else ids.filter(pk__gt=last))[:size])
+        yield from chunk
+        if len(chunk) < size:
+            return
+        last = chunk[-1]
+
+
 def _each_run(
     modeladmin, request, queryset, service: Callable[..., Run], verb: str, **kwargs: Any
 ) -> None:
     actor = Actor.for_user(request.user, "admin")
     done = 0
     failures: list[str] = []
-    for run_id in queryset.values_list("id", flat=True).iterator(chunk_size=500):
+    for run_id in _ids_in_chunks(queryset):
         try:
             with transaction.atomic():  # see terminate_runs
                 service(run_id=run_id, actor=actor, **kwargs)

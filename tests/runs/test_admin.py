@@ -6,6 +6,7 @@ grow with the rows shown."""
 from __future__ import annotations
 
 import csv
+import functools
 import io
 from datetime import timedelta
 
@@ -271,6 +272,37 @@ def test_retry_recovery_action(operator_client, parked_run):
     assert parked_run.status == Run.Status.QUEUED
     event = RunEvent.objects.get(run=parked_run, type="run.recovery_retried")
     assert (event.actor, event.channel) == ("user:oscar", "admin")
+
+
+@pytest.mark.parametrize("action", ["retry_recovery", "resume_runs"])
+def test_an_action_on_many_runs_applies_to_each(operator_client, parked_run, action, monkeypatch):
+    """Each run's service enqueues work (which may close the connection): the selection is
+    read in chunks, never through a cursor left open across them (a 500 on SQLite)."""
+    from runs import admin as runs_admin
+
+    monkeypatch.setattr(
+        runs_admin, "_ids_in_chunks", functools.partial(runs_admin._ids_in_chunks, size=2)
+    )
+    status = Run.Status.NEEDS_ATTENTION if action == "retry_recovery" else Run.Status.PAUSED
+    ids = [parked_run.id, *(_clone(parked_run).id for _ in range(5))]
+    Run.objects.filter(id__in=ids).update(status=status, reason_code=Run.Reason.RECOVERY_LIMIT)
+
+    response = operator_client.post(
+        reverse("admin:runs_run_changelist"),
+        {"action": action, "_selected_action": [str(i) for i in ids], "index": 0},
+    )
+
+    assert response.status_code == 302
+    assert set(Run.objects.filter(id__in=ids).values_list("status", flat=True)) == {
+        Run.Status.QUEUED
+    }
+
+
+def _clone(run: Run) -> Run:
+    """Another run like ``run`` (same agent, nothing in flight)."""
+    return Run.objects.create(
+        agent_name=run.agent_name, agent_version=run.agent_version, goal=run.goal, input={}
+    )
 
 
 # --- the run page and exports -----------------------------------------------------------------
