@@ -9,7 +9,6 @@ back request sends nothing, and a slow mail server never holds a lock.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import secrets
 from collections.abc import Iterable
@@ -24,6 +23,7 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
+from runs import jsonlimits
 from runs.events import checkpoint
 from runs.models import Run, ToolCall
 
@@ -104,7 +104,7 @@ def _context(approval: Approval) -> dict[str, Any]:
         "approval": approval,
         "run": run,
         "call": call,
-        "arguments_json": json.dumps(approval.arguments_masked, indent=2, sort_keys=True),
+        "arguments_json": jsonlimits.pretty(approval.arguments_masked),
         "risk": call.effect,
         "risk_text": RISK.get(call.effect, call.effect),
         "decisions": list(approval.decisions.select_related("decider")),

@@ -7,7 +7,6 @@ buttons: mail scanners and link previews open links, and must decide nothing.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from django import forms
@@ -107,7 +106,7 @@ class DecisionForm(forms.Form):
 
 
 def _arguments_json(arguments: Any) -> str:
-    return json.dumps(arguments, indent=2, sort_keys=True)
+    return jsonlimits.pretty(arguments)
 
 
 def _detail(

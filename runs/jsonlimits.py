@@ -124,3 +124,19 @@ def sanitize(value: Any) -> tuple[Any, list[str]]:
         return item
 
     return copy(value, 1), sorted(notes)
+
+
+def pretty(value: Any, **kwargs: Any) -> str:
+    """``json.dumps(value, indent=2, sort_keys=True)`` for a page, an email or an export,
+    which never fails on stored data: JSON stored before the rule existed may be nested
+    hundreds of levels deep, beyond what the indenting encoder's recursion can walk. Such a
+    value is shown compactly, or as a note when even that is too deep."""
+    try:
+        return json.dumps(value, indent=2, sort_keys=True, default=str, **kwargs)
+    except RecursionError:
+        pass
+    try:
+        return json.dumps(value, sort_keys=True, default=str, **kwargs)
+    except RecursionError:
+        deepest = max(depth for depth, _item in _walk(value))
+        return f'"[not shown: nested {deepest} levels deep]"'

@@ -18,11 +18,12 @@ window's start is marked ``continued``, one cut by its end ``continues``.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
+
+from runs import jsonlimits
 
 # Event types after which the worker that wrote them holds no lease any more.
 _RELEASING = frozenset(
@@ -78,7 +79,7 @@ class Entry:
 
     @property
     def payload_json(self) -> str:
-        return json.dumps(self.payload, indent=2, sort_keys=True, default=str)
+        return jsonlimits.pretty(self.payload)
 
 
 @dataclass

@@ -15,7 +15,6 @@ JavaScript every form posts and redirects back here.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from typing import Any
 
@@ -30,7 +29,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.middleware import HtmxDetails
 
-from runs import selectors, services, timeline
+from runs import jsonlimits, selectors, services, timeline
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
 from runs.events import RunNotFound
@@ -230,10 +229,8 @@ def _context(
         "flash": flash,
         "unknown_calls": unknown_calls,
         "awaiting": awaiting,
-        "state_json": json.dumps(run.state, indent=2, sort_keys=True, default=str),
-        "result_json": json.dumps(run.result, indent=2, sort_keys=True, default=str)
-        if run.result is not None
-        else "",
+        "state_json": jsonlimits.pretty(run.state),
+        "result_json": jsonlimits.pretty(run.result) if run.result is not None else "",
     }
 
 

@@ -8,7 +8,6 @@ says so, and dispatching it again needs an explicit confirmation that is recorde
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from django import forms
@@ -128,7 +127,7 @@ def _row(
         "call": call,
         "run": call.run,
         "history": history,
-        "arguments_json": json.dumps(call.arguments_masked, indent=2, sort_keys=True),
+        "arguments_json": jsonlimits.pretty(call.arguments_masked),
         "unsafe": call.effect == Effect.UNSAFE,
         "retired": not current,
         "waiting": waiting,

@@ -518,3 +518,22 @@ def test_a_search_term_matching_many_rows_still_finds_them_all(
     )
     assert found.context["cl"].result_count == 0  # exact match only
     assert searched.context["cl"].result_count == worker_events
+
+
+def test_pages_show_json_stored_nested_deeper_than_any_encoder_walks(
+    auditor_client, client, operator, approved_refund
+):
+    """JSON stored before the input rule existed (issue 18) may be nested hundreds of levels:
+    the auditor's and the operator's run pages still answer (the indenting encoder gives up
+    at about 330)."""
+    deep: object = 1
+    for _ in range(400):
+        deep = {"a": deep}
+    Run.objects.filter(id=approved_refund.id).update(state=deep, result=deep)
+
+    admin_page = auditor_client.get(reverse("admin:runs_run_change", args=[approved_refund.pk]))
+    client.force_login(operator)
+    console_page = client.get(reverse("runs:detail", args=[approved_refund.pk]))
+
+    assert admin_page.status_code == 200
+    assert console_page.status_code == 200
