@@ -26,7 +26,8 @@ class ApprovalsGate:
             approver_group=policy.group,
             required_count=policy.required,
             allow_self_approval=policy.allow_self_approval,
-            require_login=policy.require_login,
+            require_login=policy.links_need_sign_in,
+            separate_duties=policy.separate_duties,
             on_expiry=str(policy.on_expiry),
             # database time, like every expiry check
             expires_at=db_now() + timedelta(seconds=policy.ttl_seconds),

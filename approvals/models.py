@@ -29,8 +29,12 @@ class Approval(models.Model):
     approver_group = models.CharField(max_length=150)
     required_count = models.PositiveSmallIntegerField(default=1)
     allow_self_approval = models.BooleanField(default=False)
-    # email links must also be used by the signed-in approver (policy ``require_login``)
-    require_login = models.BooleanField(default=False)
+    # email links must be used by their approver, signed in (every policy but one with
+    # ``bearer_links``, a 1-of-1 opt-in)
+    require_login = models.BooleanField(default=True)
+    # nobody who started, forked, signalled or resolved the run may decide (policy
+    # ``separate_duties``)
+    separate_duties = models.BooleanField(default=True)
     on_expiry = models.CharField(max_length=20, default="reject")
     requested_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField()

@@ -22,6 +22,7 @@ from django.db import transaction
 from django.template.loader import render_to_string
 from django.urls import reverse
 
+from approvals import selectors
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs import jsonlimits
 from runs.events import checkpoint
@@ -64,9 +65,13 @@ def eligible_approvers(approval: Approval, *, principal_id: Any) -> list[Any]:
         .distinct()
         .order_by("pk")
     )
-    if not approval.allow_self_approval and principal_id is not None:
-        users = users.exclude(pk=principal_id)
-    return [user for user in users if user.has_perm("approvals.decide_approval")]
+    # who may not decide (the principal, whoever drove the run) gets no link either
+    return [
+        user
+        for user in users
+        if user.has_perm("approvals.decide_approval")
+        and not selectors.duty_conflict(user=user, approval=approval, principal_id=principal_id)
+    ]
 
 
 def links_create_and_email(

@@ -91,7 +91,7 @@ def user_may_decide(*, user: Any, approval: Approval) -> bool:
         return False
     if not user.is_superuser and not user.groups.filter(name=approval.approver_group).exists():
         return False
-    if not approval.allow_self_approval and approval.run.principal_id == user.pk:
+    if duty_conflict(user=user, approval=approval, principal_id=approval.run.principal_id):
         return False
     return not approval.decisions.filter(
         decider=user, decision__in=ApprovalDecision.DECIDING
@@ -142,3 +142,33 @@ def approvals_expiring_soon(limit: int) -> list[Any]:
         )
         for approval in approvals
     ]
+
+
+# Who drove a run, from its record: these events name the person who started, forked,
+# signalled or resolved it (DESIGN §9: nobody who drove a run approves its calls)
+DRIVING_EVENTS = ("run.created", "run.forked", "run.signalled", "tool.resolved")
+
+
+def duty_conflict(*, user: Any, approval: Approval, principal_id: Any) -> str:
+    """Why ``user`` may not decide ``approval`` under separation of duties; "" when they
+    may. One rule for every channel: approval_decide enforces it, pages and emails follow
+    it."""
+    if not approval.allow_self_approval and principal_id is not None and principal_id == user.pk:
+        return "the run's principal may not approve its own action"
+    if not approval.separate_duties:
+        return ""
+    drove = (
+        RunEvent.objects.filter(
+            run_id=approval.run_id,
+            type__in=DRIVING_EVENTS,
+            actor=f"user:{user.get_username()}",
+        )
+        .values_list("type", flat=True)
+        .first()
+    )
+    if drove is not None:
+        return (
+            f"{user.get_username()} drove this run ({drove}): separation of duties needs "
+            "someone else to approve its calls"
+        )
+    return ""

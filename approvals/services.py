@@ -12,7 +12,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from approvals import notify
+from approvals import notify, selectors
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs.actors import Actor, PermissionDenied
 from runs.dbtime import db_now
@@ -125,12 +125,11 @@ def approval_decide(
             raise ApprovalExpired("this approval has expired and can no longer be decided")
         if not user.is_superuser and not user.groups.filter(name=approval.approver_group).exists():
             raise PermissionDenied(f"only members of {approval.approver_group} may decide")
-        if (
-            not approval.allow_self_approval
-            and cp.run.principal_id is not None
-            and cp.run.principal_id == user.pk
-        ):
-            raise PermissionDenied("the run's principal may not approve its own action")
+        conflict = selectors.duty_conflict(
+            user=user, approval=approval, principal_id=cp.run.principal_id
+        )
+        if conflict:
+            raise PermissionDenied(conflict)
         if decision == ApprovalDecision.Decision.COMMENT:
             if not comment.strip():
                 raise InvalidInput("a comment needs some text")
@@ -149,6 +148,11 @@ def approval_decide(
         edit_payload: dict[str, Any] = {}
         if edit is not None:
             edit_payload = _apply_edit(approval, call, edit)
+            # an edit counts as its author's approval, and one more person must approve
+            # what they changed: one approver never edits the target or amount alone
+            approval.required_count += 1
+            approval.save(update_fields=["required_count"])
+            edit_payload["required_raised_by_edit"] = True
         ApprovalDecision.objects.create(
             approval=approval,
             decider=user,
@@ -274,16 +278,25 @@ def approval_link_check_user(link: ApprovalLink, user: Any) -> None:
             f"this link was sent to {link.approver.get_username()}; "
             f"you are signed in as {user.get_username()}"
         )
-    if link.approval.require_login and not signed_in:
+    if (link.approval.require_login or link.approval.required_count > 1) and not signed_in:
+        # a link decides for its recipient signed in; a token alone only where the policy
+        # opted into bearer links for a 1-of-1 approval (an edit may have raised the count)
         raise LinkLoginRequired("this approval requires you to sign in before deciding")
 
 
 def approval_link_decide(
-    *, token: str, decision: str, comment: str = "", user: Any = None
+    *,
+    token: str,
+    decision: str,
+    comment: str = "",
+    user: Any = None,
+    client_ip: str = "",
+    user_agent: str = "",
 ) -> Approval:
     """Decide through an emailed link (POST only): the link is used up in the same
     transaction as the decision, so a decision that is refused leaves it unused and a
-    second use of it decides nothing. The link's approver is the actor, channel ``email``."""
+    second use of it decides nothing. The link's approver is the actor, channel ``email``;
+    where the request came from (address, user agent) is recorded with the link's use."""
     if decision not in ApprovalDecision.DECIDING:
         raise ValueError("a link can approve or reject")
     link = approval_link_get(token)
@@ -304,6 +317,8 @@ def approval_link_decide(
                 kind=link.kind,
                 by=actor.label,
                 signed_in=user is not None and user.is_authenticated,
+                client_ip=client_ip,
+                user_agent=user_agent[:300],
             )
         return approval_decide(
             approval_id=link.approval_id, decision=decision, actor=actor, comment=comment
@@ -371,6 +386,7 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
                     required_count=approval.required_count,
                     allow_self_approval=approval.allow_self_approval,
                     require_login=approval.require_login,
+                    separate_duties=approval.separate_duties,
                     on_expiry="reject",
                     # a fresh time to live from the policy, on the database's clock
                     expires_at=db_now() + timedelta(seconds=tool.approval.ttl_seconds),

@@ -281,8 +281,25 @@ def approval_link(request: HttpRequest, token: str) -> HttpResponse:
             status=400,
             error="Give a reason to reject: the agent receives it.",
         )
+    if request.POST.get("confirm") != "yes":
+        # a mail scanner or a prefetching browser that submits the page's form as it is
+        # decides nothing: a person ticks the box
+        return _link_page(
+            request,
+            "confirm",
+            link=link,
+            status=400,
+            error="Tick the box to confirm that you have read what you are deciding.",
+        )
     try:
-        approval_link_decide(token=token, decision=decision, comment=comment, user=request.user)
+        approval_link_decide(
+            token=token,
+            decision=decision,
+            comment=comment,
+            user=request.user,
+            client_ip=request.META.get("REMOTE_ADDR", ""),
+            user_agent=request.META.get("HTTP_USER_AGENT", ""),
+        )
     except (LinkUsed, AlreadyDecided) as exc:
         link = approval_link_get(token)
         state = _link_state(link)

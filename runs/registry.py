@@ -47,9 +47,27 @@ class ApprovalPolicy:
     on_expiry: OnExpiry = OnExpiry.REJECT
     escalate_to: str = ""
     allow_self_approval: bool = False
-    # email links: also require the link's approver to be signed in (the token alone is
-    # then not enough)
+    # email links decide only for their recipient, signed in (DESIGN §9: N-of-M means N
+    # distinct authenticated people). ``bearer_links``: the link's token alone decides, for
+    # a 1-of-1 approval only — an explicit opt-in (a forwarded email then decides too).
+    # ``require_login`` is kept for policies written before links needed a sign-in.
     require_login: bool = False
+    bearer_links: bool = False
+    # nobody who started, forked, signalled or resolved a run approves its calls
+    separate_duties: bool = True
+
+    def __post_init__(self) -> None:
+        if self.bearer_links and self.required > 1:
+            raise ValueError(
+                "bearer_links (a link's token alone decides) is allowed for 1-of-1 approvals "
+                f"only; this policy requires {self.required} approvers"
+            )
+        if self.bearer_links and self.require_login:
+            raise ValueError("bearer_links and require_login contradict each other")
+
+    @property
+    def links_need_sign_in(self) -> bool:
+        return not self.bearer_links
 
     def requires_approval(self, arguments: Mapping[str, Any]) -> bool:
         if self.when == "never":

@@ -39,7 +39,7 @@ def _state(run: Run) -> tuple:
 
 @pytest.mark.django_db
 def test_approving_edited_arguments_refunds_the_edit_once_and_keeps_the_original(
-    sandbox, system_actor, approver
+    sandbox, system_actor, approver, second_approver
 ):
     run = start_refund(system_actor)
     approval = Approval.objects.get(run=run)
@@ -69,7 +69,12 @@ def test_approving_edited_arguments_refunds_the_edit_once_and_keeps_the_original
     assert event.payload["original_arguments"]["amount_cents"] == 50_000
     assert event.payload["edited_arguments"]["amount_cents"] == 20_000
     assert CUSTOMER_EMAIL not in str(event.payload)
+    # the edit counts as its author's approval; one more person approves what was changed
+    assert (event.payload["required"], event.payload["settled"]) == (2, False)
+    assert drive(run.id).status == Run.Status.WAITING_APPROVAL
+    assert refund_posts(sandbox) == []
 
+    _decide(approval, second_approver, comment="agreed")
     run = drive(run.id)
 
     assert run.status == Run.Status.SUCCEEDED
@@ -134,11 +139,14 @@ def test_an_edit_that_changes_nothing_is_a_plain_approval(sandbox, system_actor,
 
 
 @pytest.mark.django_db
-def test_an_edit_below_the_threshold_still_dispatches_once(sandbox, system_actor, approver):
+def test_an_edit_below_the_threshold_still_dispatches_once(
+    sandbox, system_actor, approver, second_approver
+):
     run = start_refund(system_actor)
     approval = Approval.objects.get(run=run)
 
     _decide(approval, approver, edited_arguments=dict(approval.arguments_masked, amount_cents=500))
+    _decide(approval, second_approver)
     run = drive(run.id)
 
     assert run.status == Run.Status.SUCCEEDED

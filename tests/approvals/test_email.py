@@ -54,6 +54,7 @@ def test_emailed_link_approves_over_real_smtp_and_the_run_refunds_once(
     assert (sent.channel, sent.payload["to"]) == ("email", "alice")
 
     browser = Client(enforce_csrf_checks=True)
+    browser.force_login(alice)  # a link decides for its recipient, signed in
     page = browser.get(link(token))  # what a mail scanner does, too
 
     assert page.status_code == 200
@@ -70,7 +71,8 @@ def test_emailed_link_approves_over_real_smtp_and_the_run_refunds_once(
 
     csrf = browser.cookies["csrftoken"].value
     decided = browser.post(
-        link(token), {"decision": "approve", "csrfmiddlewaretoken": csrf, "comment": "ok"}
+        link(token),
+        {"decision": "approve", "csrfmiddlewaretoken": csrf, "comment": "ok", "confirm": "yes"},
     )
 
     assert decided.status_code == 200

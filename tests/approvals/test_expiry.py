@@ -143,9 +143,15 @@ def test_escalate_on_expiry_asks_the_second_group_with_a_new_expiry_and_its_link
     requested_events = events(run.id, "approval.requested")
     assert requested_events[-1].payload["escalated_from"] == first.id
     client = Client()
-    assert client.post(link(alice_token), {"decision": "approve"}).status_code == 410
+    client.force_login(alice)
+    expired = client.post(link(alice_token), {"decision": "approve", "confirm": "yes"})
+    assert expired.status_code == 410
 
-    response = client.post(link(token_for("erin@example.com")), {"decision": "approve"})
+    erin = Client()
+    erin.force_login(boss)
+    response = erin.post(
+        link(token_for("erin@example.com")), {"decision": "approve", "confirm": "yes"}
+    )
 
     assert response.status_code == 200
     second.refresh_from_db()
@@ -183,7 +189,9 @@ def test_a_reminder_goes_out_once_before_expiry_with_a_fresh_link(
     (sent,) = [e for e in events(run.id, "approval.email_sent") if e.payload["kind"] == "reminder"]
     assert sent.payload["to"] == "alice"
 
-    assert client.post(link(second_token), {"decision": "approve"}).status_code == 200
+    client.force_login(alice)
+    decided = client.post(link(second_token), {"decision": "approve", "confirm": "yes"})
+    assert decided.status_code == 200
     approval.refresh_from_db()
     assert approval.status == Approval.Status.APPROVED
     assert client.get(link(first_token)).status_code == 200  # shows the decision

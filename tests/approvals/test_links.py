@@ -13,7 +13,12 @@ from django.test import Client
 from django.utils import timezone
 
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
-from approvals.services import AlreadyDecided, approval_decide
+from approvals.services import (
+    AlreadyDecided,
+    LinkInvalid,
+    approval_decide,
+    approval_link_get,
+)
 from runs.actors import Actor
 from runs.registry import ApprovalPolicy, CallTool, Effect, Finish
 from runs.services import run_create
@@ -37,8 +42,15 @@ def _snapshot(approval: Approval) -> tuple:
     )
 
 
-def _post(client: Client, token: str, decision: str = "approve", **data):
-    return client.post(link(token), {"decision": decision, **data})
+def _post(client: Client, token: str, decision: str = "approve", *, sign_in=True, **data):
+    """POST the link's form as its recipient would: signed in as the link's approver (unless
+    ``sign_in=False`` or someone is signed in already), the confirmation box ticked."""
+    if sign_in and "_auth_user_id" not in client.session:
+        try:
+            client.force_login(approval_link_get(token).approver)
+        except LinkInvalid:
+            pass
+    return client.post(link(token), {"decision": decision, "confirm": "yes", **data})
 
 
 @pytest.mark.django_db
@@ -240,7 +252,7 @@ def test_a_policy_can_require_login_as_well_as_the_token(
     assert page.status_code == 200
     assert b"Sign in to decide" in page.content
     assert b'name="decision"' not in page.content
-    posted = _post(client, token)
+    posted = _post(client, token, sign_in=False)
     assert posted.status_code == 302 and posted["Location"].startswith("/accounts/login/")
     assert _snapshot(approval) == before
 
@@ -267,7 +279,9 @@ def test_concurrent_decisions_exactly_one_wins(sandbox, system_actor, alice, bob
     def by_link():
         try:
             barrier.wait()
-            response = Client().post(link(token), {"decision": "approve"})
+            signed_in = Client()
+            signed_in.force_login(alice)
+            response = signed_in.post(link(token), {"decision": "approve", "confirm": "yes"})
             outcomes["alice"] = "won" if response.status_code == 200 else str(response.status_code)
         finally:
             close_connection()
@@ -302,3 +316,94 @@ def test_concurrent_decisions_exactly_one_wins(sandbox, system_actor, alice, bob
     assert [e.payload["settled"] for e in events(run.id, "approval.decided")] == [True]
     link_row = ApprovalLink.objects.get(approval=approval, approver=alice)
     assert (link_row.used_at is not None) == (winner == "alice")
+
+
+@pytest.mark.django_db
+def test_a_forwarded_link_decides_nothing_for_its_new_holder(
+    django_capture_on_commit_callbacks, client, sandbox, system_actor, alice
+):
+    """The token alone is not enough (DESIGN §9): whoever holds alice's forwarded email is
+    asked to sign in as alice, and decides nothing."""
+    _, approval = requested(django_capture_on_commit_callbacks, system_actor)
+    token = token_for("alice@example.com")
+    before = _snapshot(approval)
+
+    page = client.get(link(token))
+    posted = _post(client, token, sign_in=False)
+
+    assert b"Sign in to decide" in page.content
+    assert posted.status_code == 302
+    assert _snapshot(approval) == before
+
+
+@pytest.mark.django_db
+def test_a_form_submitted_as_it_is_decides_nothing(
+    django_capture_on_commit_callbacks, client, sandbox, system_actor, alice
+):
+    """A mail scanner that submits the page's form without a person ticking the box."""
+    _, approval = requested(django_capture_on_commit_callbacks, system_actor)
+    token = token_for("alice@example.com")
+    client.force_login(alice)
+    before = _snapshot(approval)
+
+    page = client.post(link(token), {"decision": "approve"})
+
+    assert page.status_code == 400
+    assert b"Tick the box" in page.content
+    assert _snapshot(approval) == before
+
+
+@pytest.mark.django_db
+def test_a_link_records_where_its_decision_came_from(
+    django_capture_on_commit_callbacks, client, sandbox, system_actor, alice
+):
+    _, approval = requested(django_capture_on_commit_callbacks, system_actor)
+    token = token_for("alice@example.com")
+    client.force_login(alice)
+
+    client.post(
+        link(token),
+        {"decision": "approve", "confirm": "yes"},
+        HTTP_USER_AGENT="Mail/1.0",
+        REMOTE_ADDR="203.0.113.9",
+    )
+
+    (used,) = events(approval.run_id, "approval.link_used")
+    assert (used.payload["client_ip"], used.payload["user_agent"]) == ("203.0.113.9", "Mail/1.0")
+
+
+@pytest.fixture
+def bearer_policy_tool(register):
+    body = CountingTool()
+
+    def decide(ctx):
+        if not ctx.steps:
+            return CallTool("bearer_close", {})
+        return Finish({"status": ctx.last_step.status})
+
+    register(
+        make_tool(
+            "bearer_close",
+            body,
+            effect=Effect.IDEMPOTENT,
+            approval=ApprovalPolicy(when="always", bearer_links=True),
+        ),
+        ScriptedAgent("bearer_closer", decide, tools=("bearer_close",)),
+    )
+    return body
+
+
+@pytest.mark.django_db
+def test_bearer_links_are_an_opt_in_for_one_approver(
+    django_capture_on_commit_callbacks, client, system_actor, alice, bearer_policy_tool
+):
+    with django_capture_on_commit_callbacks(execute=True):
+        run = drive(run_create(agent_name="bearer_closer", actor=system_actor).id)
+    token = token_for("alice@example.com")
+
+    assert _post(client, token, sign_in=False).status_code == 200
+
+    assert Approval.objects.get(run=run).status == Approval.Status.APPROVED
+    assert events(run.id, "approval.link_used")[0].payload["signed_in"] is False
+    with pytest.raises(ValueError, match="1-of-1"):
+        ApprovalPolicy(when="always", required=2, bearer_links=True)
