@@ -13,13 +13,14 @@ from approvals.services import approval_decide
 from runs import engine
 from runs.actors import Actor
 from runs.models import Run, Step, ToolCall, ToolReceipt
-from runs.registry import ApprovalPolicy, CallTool, Effect, Finish, registry
+from runs.registry import ApprovalPolicy, CallTool, Effect, Finish, OutcomeUnknown, registry
 from runs.services import (
     InvalidInput,
     run_create,
     run_fork,
     run_resume,
     run_terminate,
+    toolcall_resolve,
 )
 from tests.conftest import drive
 from tests.support import (
@@ -418,3 +419,129 @@ def test_a_principal_outside_the_tools_groups_pauses_the_run_and_keeps_the_decis
     assert run.status == Run.Status.SUCCEEDED
     assert len(body.calls) == 1
     assert decisions == [0, 1]  # the call was decided once, not asked again
+
+
+# --- settled is settled (issue 25): no compatibility check fails a call that settled ----------
+
+
+def _deploy_agent_v2(name: str, decide, tools: tuple[str, ...]) -> None:
+    """A deploy: the agent's new version, with a migration from the old one."""
+    new = ScriptedAgent(name, decide, tools=tools, version="2")
+    new.migrations = [("1", "2", lambda state: {**state, "migrated": True})]
+    registry.register_agent(new)
+
+
+@pytest.fixture
+def lost_unsafe_send(register, system_actor):
+    """An unsafe call whose outcome was lost: the run waits for a person. The agent sends
+    again whenever its last send failed, so a send failed by mistake would go out twice."""
+    plan = {"lose": 1}
+
+    def behaviour(arguments, ctx):
+        if plan["lose"]:
+            plan["lose"] -= 1
+            raise OutcomeUnknown("connection reset by peer")
+
+    body = CountingTool(behaviour)
+
+    def decide(ctx):
+        if not ctx.steps or ctx.last_step.status == Step.Status.FAILED:
+            return CallTool("deploy_unsafe_send", {"to": "c@example.com"})
+        return Finish({"output": ctx.last_step.output, "state": dict(ctx.state)})
+
+    register(
+        make_tool("deploy_unsafe_send", body, effect=Effect.UNSAFE),
+        ScriptedAgent("deploy_sender", decide, tools=("deploy_unsafe_send",)),
+    )
+    run = drive(run_create(agent_name="deploy_sender", actor=system_actor).id)
+    assert (run.status, run.reason_code) == (Run.Status.NEEDS_ATTENTION, "unknown_outcome")
+    assert len(body.calls) == 1
+    return body, decide, run
+
+
+def _resolve_happened(run: Run, olivia: Actor) -> ToolCall:
+    call = toolcall_resolve(
+        tool_call_id=ToolCall.objects.get(run=run).id,
+        outcome="happened",
+        actor=olivia,
+        result={"notification_id": "ntf_7"},
+    )
+    assert call.receipt.source == ToolReceipt.Source.OPERATOR
+    # the agent changed version: the step waits for the migrated state to complete it
+    assert Step.objects.get(run=run, seq=1).status == Step.Status.PENDING
+    return call
+
+
+def test_an_unsafe_call_resolved_as_happened_completes_after_its_tool_changed(
+    lost_unsafe_send, olivia
+):
+    body, decide, run = lost_unsafe_send
+    _deploy_agent_v2("deploy_sender", decide, ("deploy_unsafe_send",))
+    registry.register_tool(
+        make_tool(
+            "deploy_unsafe_send",
+            body,
+            effect=Effect.UNSAFE,
+            schema={"type": "object", "properties": {"to": {"type": "string"}}},
+        )
+    )
+    _resolve_happened(run, olivia)
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result == {"output": {"notification_id": "ntf_7"}, "state": {"migrated": True}}
+    assert len(body.calls) == 1  # never sent a second time
+    step = Step.objects.get(run=run, seq=1)
+    assert (step.status, step.output) == (Step.Status.COMPLETED, {"notification_id": "ntf_7"})
+    assert ToolCall.objects.get(run=run).status == ToolCall.Status.SUCCEEDED
+    assert events(run.id, "tool.cancelled") == []
+    assert Step.objects.filter(run=run).count() == 2  # the send, then finish
+
+
+def test_a_receipt_whose_step_is_open_completes_though_its_tool_was_retired(
+    lost_unsafe_send, olivia
+):
+    body, decide, run = lost_unsafe_send
+    registry.unregister_tool("deploy_unsafe_send")
+    _deploy_agent_v2("deploy_sender", lambda ctx: Finish({"output": ctx.last_step.output}), ())
+    _resolve_happened(run, olivia)
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result == {"output": {"notification_id": "ntf_7"}}
+    assert Step.objects.get(run=run, seq=1).status == Step.Status.COMPLETED
+    assert len(body.calls) == 1
+    assert "tool_retired" not in (run.reason_code, *event_types(run.id))
+
+
+def test_a_rejection_reaches_the_agent_with_its_comment_after_the_tool_changed(
+    gated, system_actor, approver
+):
+    body, _ = gated
+    run = drive(run_create(agent_name="gated", actor=system_actor).id)
+    approval_decide(
+        approval_id=Approval.objects.get(run=run).id,
+        decision="reject",
+        comment="not this month",
+        actor=Actor.for_user(approver, "web"),
+    )
+    registry.register_tool(
+        make_tool(
+            "gated_write",
+            body,
+            effect=Effect.IDEMPOTENT,
+            approval=ALWAYS,
+            schema={"type": "object", "properties": {"amount": {"type": "number"}}},
+        )
+    )
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result == {"status": "failed", "error": "approval rejected: not this month"}
+    assert body.calls == []
+    assert ToolCall.objects.get(run=run).status == ToolCall.Status.REJECTED
+    assert events(run.id, "tool.cancelled") == []
+    assert events(run.id, "tool.version_changed") == []
