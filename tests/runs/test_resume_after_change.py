@@ -13,7 +13,16 @@ from approvals.services import approval_decide
 from runs import engine
 from runs.actors import Actor
 from runs.models import Run, Step, ToolCall, ToolReceipt
-from runs.registry import ApprovalPolicy, CallTool, Effect, Finish, OutcomeUnknown, registry
+from runs.registry import (
+    ApprovalPolicy,
+    CallTool,
+    Effect,
+    Finish,
+    OutcomeUnknown,
+    Tool,
+    ToolResult,
+    registry,
+)
 from runs.services import (
     InvalidInput,
     run_create,
@@ -545,3 +554,108 @@ def test_a_rejection_reaches_the_agent_with_its_comment_after_the_tool_changed(
     assert ToolCall.objects.get(run=run).status == ToolCall.Status.REJECTED
     assert events(run.id, "tool.cancelled") == []
     assert events(run.id, "tool.version_changed") == []
+
+
+# --- a tool's identity covers what it does (issue 25) ------------------------------------------
+
+
+def _charge_v1(arguments, ctx):
+    CHARGED.append(("v1", arguments["amount"]))
+    return ToolResult({"charged": arguments["amount"]})
+
+
+def _charge_v2(arguments, ctx):
+    # the same schema and policy; only what it does changed (cents, not units)
+    CHARGED.append(("v2", arguments["amount"] * 100))
+    return ToolResult({"charged": arguments["amount"] * 100})
+
+
+CHARGED: list[tuple[str, int]] = []
+
+
+def _charge_tool(call=_charge_v1, **overrides) -> Tool:
+    return Tool(
+        **{
+            "name": "deploy_charge",
+            "effect": Effect.IDEMPOTENT,
+            "call": call,
+            "schema": {"type": "object", "properties": {"amount": {"type": "integer"}}},
+            "approval": ALWAYS,
+            "precondition": lambda arguments: "balance=500",
+        }
+        | overrides
+    )
+
+
+@pytest.fixture
+def approved_charge(register, system_actor, approver):
+    """A charge of 150 approved on the first tool, not dispatched yet."""
+    CHARGED.clear()
+
+    def decide(ctx):
+        if not ctx.steps:
+            return CallTool("deploy_charge", {"amount": 150})
+        return Finish({"status": ctx.last_step.status, "output": ctx.last_step.output})
+
+    tool = _charge_tool()
+    register(tool, ScriptedAgent("deploy_charger", decide, tools=("deploy_charge",)))
+    run = drive(run_create(agent_name="deploy_charger", actor=system_actor).id)
+    _approve(run, approver)
+    return run, tool
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        pytest.param(lambda: _charge_tool(call=_charge_v2), id="behaviour-only"),
+        pytest.param(lambda: _charge_tool(precondition=None), id="precondition-removed"),
+    ],
+)
+def test_a_changed_fingerprint_cancels_the_approval_and_asks_again(
+    approved_charge, approver, changed
+):
+    run, old_tool = approved_charge
+    new_tool = changed()
+    assert new_tool.version != old_tool.version
+    registry.register_tool(new_tool)
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.WAITING_APPROVAL
+    assert CHARGED == []  # the changed tool never used the old approval
+    old, new = Approval.objects.filter(run=run).order_by("requested_at", "id")
+    assert (old.status, old.reason, old.consumed_at) == ("cancelled", "tool_version_changed", None)
+    assert (old.tool_version, new.tool_version) == (old_tool.version, new_tool.version)
+    assert new.status == Approval.Status.PENDING
+    assert ToolCall.objects.get(run=run).tool_version == new_tool.version
+    (changed_event,) = events(run.id, "tool.version_changed")
+    assert changed_event.payload["from_version"] == old_tool.version
+    assert changed_event.payload["to_version"] == new_tool.version
+
+    _approve(run, approver)
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert len(CHARGED) == 1
+    assert Approval.objects.get(id=new.id).consumed_at is not None
+
+
+def test_a_change_declared_compatible_keeps_the_approval_and_is_recorded(approved_charge, approver):
+    run, old_tool = approved_charge
+    new_tool = _charge_tool(call=_charge_v2, compatible_with=(old_tool.version,))
+    registry.register_tool(new_tool)
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert CHARGED == [("v2", 15000)]  # what the tool's author declared the same tool
+    (approval,) = Approval.objects.filter(run=run)
+    assert approval.status == Approval.Status.APPROVED and approval.consumed_at is not None
+    (accepted,) = events(run.id, "tool.version_accepted")
+    assert (accepted.payload["from_version"], accepted.payload["to_version"]) == (
+        old_tool.version,
+        new_tool.version,
+    )
+    assert events(run.id, "tool.version_changed") == []
+    # the call keeps the fingerprint it was decided and approved under
+    assert ToolCall.objects.get(run=run).tool_version == old_tool.version
