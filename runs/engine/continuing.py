@@ -69,7 +69,8 @@ def _settle_from_record(lease: Lease, step: Step, call: ToolCall) -> bool:
     turn an approver's rejection into ``tool_retired``. False for a call still to settle.
     The hosted loop and the remote protocol's resume checklist both start here."""
     if call.status == ToolCall.Status.REJECTED:
-        _fail_step(lease, step, f"approval rejected: {call.last_error}".rstrip(": "))
+        comment = call.last_error  # the approver's comment (toolcall_gate_settled)
+        _fail_step(lease, step, f"approval rejected: {comment}" if comment else "approval rejected")
         return True
     if call.status == ToolCall.Status.CANCELLED:
         _fail_step(lease, step, "tool call cancelled")
