@@ -63,7 +63,7 @@ def _prepare_edit(tool_call_id: Any, edited: Any) -> _Edit | None:
         tool = registry.tool(call.tool_name)
     except UnknownTool:
         raise InvalidArguments(f"tool {call.tool_name!r} is no longer registered") from None
-    if tool.version != call.tool_version:
+    if not tool.accepts(call.tool_version):
         raise InvalidArguments(f"tool {call.tool_name!r} changed since the call was proposed")
     arguments = dict(edited)
     for name in tool.sensitive_fields:

@@ -6,9 +6,13 @@ by name when it claims a run; an unknown name is a clear error, never a crash lo
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import functools
 import hashlib
 import json
 import time
+import types
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -189,6 +193,9 @@ class Tool:
     # lookup by idempotency key; raising is "don't know", never absence
     reconcile: Callable[[str, Mapping[str, Any]], Reconciliation] | None = None
     precondition: Callable[[Mapping[str, Any]], str] | None = None
+    # The version the author declares (optional). The recorded version — ``version`` after
+    # construction, ``ToolCall.tool_version`` — is a fingerprint of it and of everything the
+    # tool does (``tool_fingerprint``): a changed behaviour is a changed tool.
     version: str = ""
     # What the downstream honours (DESIGN §9, docs/agents.md): ``honours_key`` — it
     # deduplicates by the idempotency key (default: the ``idempotent`` class);
@@ -199,6 +206,11 @@ class Tool:
     honours_key: bool | None = None
     honours_deadline: bool = False
     resend: Resend = Resend.AUTO
+    # Fingerprints of earlier versions declared compatible on purpose: a call recorded with
+    # one of them is treated as a call of this tool (its approval stays valid), and the
+    # engine records ``tool.version_accepted`` when it accepts one (docs/agents.md).
+    compatible_with: tuple[str, ...] = ()
+    declared_version: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         if self.effect == Effect.RECONCILABLE and self.reconcile is None:
@@ -209,15 +221,15 @@ class Tool:
         if self.timeout <= 0:
             raise ValueError(f"tool {self.name}: timeout must be positive")
         jsonschema.Draft202012Validator.check_schema(self.schema)
-        if not self.version:
-            # the version is the schema's hash: a changed schema is a changed tool
-            self.version = digest(
-                {
-                    "schema": self.schema,
-                    "effect": str(self.effect),
-                    "sensitive": self.sensitive_fields,
-                }
-            )[:16]
+        self.compatible_with = tuple(self.compatible_with)
+        # computed once, from the tool as constructed: every process that imports the same
+        # code computes the same fingerprint (workers recover each other's runs)
+        self.declared_version = self.version
+        self.version = tool_fingerprint(self)
+
+    def accepts(self, version: str) -> bool:
+        """Whether a call recorded with ``version`` is a call of this tool as it is now."""
+        return version == self.version or version in self.compatible_with
 
     @cached_property
     def _validator(self) -> jsonschema.Draft202012Validator:
@@ -244,6 +256,241 @@ def mask(data: Mapping[str, Any], sensitive_fields: tuple[str, ...]) -> dict[str
 def digest(data: Any) -> str:
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+# --- a tool's fingerprint (docs/agents.md, "Tool versions") ------------------------------------
+
+# Tool fields that are not part of what the tool does: who may use it (checked at every
+# dispatch anyway), how long a call may take, how it is described, and the fingerprint's own
+# bookkeeping. Every other field — including ones added later — is part of the fingerprint.
+NOT_IN_FINGERPRINT = frozenset(
+    {
+        "name",
+        "description",
+        "allowed_groups",
+        "timeout",
+        "version",
+        "compatible_with",
+        "declared_version",
+    }
+)
+_FINGERPRINT_LENGTH = 16  # hex characters; ToolCall.tool_version holds up to 64
+
+
+def tool_fingerprint(tool: Tool) -> str:
+    """The recorded version of ``tool``: a digest of its declared version, schema, effect
+    class, sensitive fields, approval policy (every field; a ``when`` predicate by its code),
+    and the code of ``call``, ``reconcile`` and ``precondition`` (None when absent).
+
+    Code counts by what it does, never by where it is: bytecode, constants, names, argument
+    defaults and closure values — not line numbers, file names or function names, so moving
+    a function leaves it unchanged; a docstring does not count either. The functions and
+    classes of its own module that a function refers to count by their code, and so do
+    module-level constants named in capitals. Nothing process-specific goes in (no ``id()``,
+    no ``hash()``, no default ``repr``): a value that is neither plain data nor code counts
+    by its type only, so every process that imports the same code computes the same value."""
+    walk = _Walk()
+    data = {
+        f.name: walk.identity(getattr(tool, f.name))
+        for f in dataclasses.fields(tool)
+        if f.name not in NOT_IN_FINGERPRINT
+    }
+    data["schema"] = _json_value(tool.schema)
+    data["declared_version"] = tool.declared_version
+    return digest(data)[:_FINGERPRINT_LENGTH]
+
+
+_MAX_DEPTH = 12  # functions within functions: far beyond any tool's helpers
+
+
+class _Walk:
+    """One fingerprint's walk over values and code. ``_active`` holds the ids of the
+    callables being described (a recursive helper refers to itself): ids guard the walk,
+    they never reach the description."""
+
+    def __init__(self) -> None:
+        self._active: set[int] = set()
+
+    def identity(self, value: Any) -> Any:
+        """A JSON-able description of ``value``, the same in every process: plain immutable
+        values by value, code by its bytecode, anything else by its type."""
+        declared = getattr(value, "__fingerprint__", None)
+        if declared is not None and callable(value):
+            # behaviour that lives elsewhere (a remote agent's tool): its identity is declared
+            return ["declared", _json_value(declared)]
+        if isinstance(value, enum.Enum):
+            return ["enum", _type_name(type(value)), self.identity(value.value)]
+        if value is None or isinstance(value, bool | int | str):
+            return value
+        if isinstance(value, float | complex | Decimal):
+            return [type(value).__name__, repr(value)]
+        if isinstance(value, bytes):
+            return ["bytes", value.hex()]
+        if value is Ellipsis:
+            return ["..."]
+        if isinstance(value, tuple):
+            return ["tuple", [self.identity(item) for item in value]]
+        if isinstance(value, frozenset):
+            # sorted by their text: a frozenset's order follows str hashes, which differ
+            # from process to process
+            items = [self.identity(item) for item in value]
+            return ["frozenset", sorted(items, key=lambda item: json.dumps(item, sort_keys=True))]
+        if isinstance(value, types.CodeType):
+            return self._code(value)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type) and _frozen(value):
+            # an ApprovalPolicy: every field, a predicate by its code
+            return [
+                "dataclass",
+                _type_name(type(value)),
+                {f.name: self.identity(getattr(value, f.name)) for f in dataclasses.fields(value)},
+            ]
+        if callable(value):
+            return self._callable(value)
+        # mutable or opaque (a list, a dict, a client): what it holds now is state, not
+        # behaviour, and may differ between processes
+        return ["object", _type_name(type(value))]
+
+    def _callable(self, fn: Any) -> Any:
+        if id(fn) in self._active or len(self._active) >= _MAX_DEPTH:
+            return ["recursive", getattr(fn, "__qualname__", _type_name(type(fn)))]
+        self._active.add(id(fn))
+        try:
+            if isinstance(fn, functools.partial):
+                return [
+                    "partial",
+                    self.identity(fn.func),
+                    self.identity(tuple(fn.args)),
+                    {key: self.identity(item) for key, item in sorted(fn.keywords.items())},
+                ]
+            if isinstance(fn, types.MethodType):
+                return ["method", self.identity(fn.__func__), self._instance(fn.__self__)]
+            if isinstance(fn, types.FunctionType):
+                return self._function(fn)
+            if isinstance(fn, type):
+                return self._class(fn)
+            if isinstance(
+                fn,
+                types.BuiltinFunctionType
+                | types.MethodWrapperType
+                | types.WrapperDescriptorType
+                | types.MethodDescriptorType,
+            ):
+                return ["builtin", getattr(fn, "__module__", None), fn.__qualname__]
+            return self._instance(fn)
+        finally:
+            self._active.discard(id(fn))
+
+    def _function(self, fn: types.FunctionType) -> Any:
+        code = fn.__code__
+        module = fn.__globals__.get("__name__")
+        referenced = {
+            name: self.identity(fn.__globals__[name])
+            for name in sorted(_names(code))
+            if name in fn.__globals__ and _follows(name, fn.__globals__[name], module)
+        }
+        return {
+            "code": self._code(code, docstring=fn.__doc__),
+            "defaults": self.identity(tuple(fn.__defaults__ or ())),
+            "kwdefaults": {
+                key: self.identity(item) for key, item in sorted((fn.__kwdefaults__ or {}).items())
+            },
+            "closure": [self._cell(cell) for cell in fn.__closure__ or ()],
+            "globals": referenced,
+        }
+
+    def _code(self, code: types.CodeType, docstring: str | None = None) -> Any:
+        consts = [self.identity(const) for const in code.co_consts]
+        if docstring is not None and consts and code.co_consts[0] == docstring:
+            consts[0] = "<docstring>"  # kept in place: the bytecode names constants by index
+        return {
+            # co_code is the bytecode as compiled (not the interpreter's specialised copy);
+            # line numbers live in co_linetable / co_firstlineno, which are left out
+            "bytecode": code.co_code.hex(),
+            "exceptions": getattr(code, "co_exceptiontable", b"").hex(),
+            "consts": consts,
+            "names": list(code.co_names),
+            "varnames": list(code.co_varnames),
+            "freevars": list(code.co_freevars),
+            "cellvars": list(code.co_cellvars),
+            "args": [code.co_argcount, code.co_posonlyargcount, code.co_kwonlyargcount],
+            "flags": code.co_flags,
+        }
+
+    def _cell(self, cell: types.CellType) -> Any:
+        try:
+            contents = cell.cell_contents
+        except ValueError:  # a closure variable not assigned yet
+            return ["empty"]
+        return self.identity(contents)
+
+    def _instance(self, obj: Any) -> Any:
+        """A callable object (or a bound method's object): its class's code and its own
+        attributes (plain values by value, functions by code, anything else by type)."""
+        if isinstance(obj, type):
+            return self._class(obj)
+        attributes = getattr(obj, "__dict__", {})
+        return [
+            "instance",
+            self._class(type(obj)),
+            {name: self.identity(item) for name, item in sorted(attributes.items())},
+        ]
+
+    def _class(self, cls: type) -> Any:
+        if cls.__module__ == "builtins":
+            return ["builtin", "builtins", cls.__qualname__]
+        members = []
+        for klass in cls.__mro__:
+            if klass.__module__ == "builtins":
+                continue
+            for name, member in sorted(vars(klass).items()):
+                if isinstance(member, staticmethod | classmethod):
+                    member = member.__func__
+                if isinstance(member, property):
+                    member = (member.fget, member.fset, member.fdel)
+                elif not isinstance(member, types.FunctionType) and (
+                    name.startswith("__") or not _is_plain_data(member)
+                ):
+                    continue
+                members.append([name, self.identity(member)])
+        return ["class", members]
+
+
+def _names(code: types.CodeType) -> set[str]:
+    """The names a code object (and the functions and comprehensions inside it) refers to."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+def _follows(name: str, value: Any, module: Any) -> bool:
+    """Whether a module-level name a function uses is part of its behaviour: a function or
+    class of the same module, or a constant (a plain value named in capitals)."""
+    if isinstance(value, types.FunctionType | type):
+        return getattr(value, "__module__", None) == module
+    return name.isupper() and _is_plain_data(value)
+
+
+def _is_plain_data(value: Any) -> bool:
+    if value is None or isinstance(value, bool | int | float | str | bytes | Decimal | enum.Enum):
+        return True
+    if isinstance(value, tuple | frozenset):
+        return all(_is_plain_data(item) for item in value)
+    return False
+
+
+def _json_value(value: Any) -> Any:
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def _frozen(value: Any) -> bool:
+    params = getattr(type(value), "__dataclass_params__", None)
+    return bool(params is not None and params.frozen)
+
+
+def _type_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 # --- what an agent decides ----------------------------------------------------------------

@@ -290,7 +290,7 @@ def toolcall_resolve(
             tool = registry.tool(call.tool_name)
         except UnknownTool:
             tool = None
-        current = tool is not None and tool.version == call.tool_version
+        current = tool is not None and tool.accepts(call.tool_version)
         if outcome in (Resolution.DISPATCH_AGAIN, Resolution.RECONCILE) and not current:
             raise InvalidState(
                 f"tool {call.tool_name} version {call.tool_version} is retired: "

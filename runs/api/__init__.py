@@ -255,7 +255,16 @@ class ToolApprovalPolicySerializer(serializers.Serializer):
 
 class ToolSerializer(serializers.Serializer):
     name = serializers.CharField()
-    version = serializers.CharField()
+    version = serializers.CharField(
+        help_text="the fingerprint recorded on every call of the tool (docs/agents.md)"
+    )
+    declared_version = serializers.CharField(
+        help_text="the version its author declared (part of the fingerprint); may be empty"
+    )
+    compatible_with = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="earlier fingerprints declared the same tool on purpose",
+    )
     description = serializers.CharField()
     effect = serializers.ChoiceField(choices=["read", "idempotent", "reconcilable", "unsafe"])
     argument_schema = serializers.JSONField()
@@ -278,6 +287,8 @@ def _tool_data(tool: Tool, *, name: str | None = None) -> dict[str, Any]:
     return {
         "name": name or tool.name,
         "version": tool.version,
+        "declared_version": tool.declared_version,
+        "compatible_with": list(tool.compatible_with),
         "description": tool.description,
         "effect": str(tool.effect),
         "argument_schema": dict(tool.schema),

@@ -17,7 +17,7 @@ from runs.engine.toolcalls import (
     _reconcile,
 )
 from runs.gate import get_gate
-from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.models import Run, RunEvent, Step, ToolCall, ToolReceipt
 from runs.registry import Tool, UnknownTool, registry
 
 
@@ -28,11 +28,13 @@ def _continue_step(lease: Lease, step: Step) -> str:
         _fail_step(lease, step, f"cannot continue a {step.kind} step")
         return Outcome.CONTINUE
     call = ToolCall.objects.select_related("step").get(step=step)
+    if _settle_from_record(lease, step, call):
+        return Outcome.CONTINUE
     try:
         tool = registry.tool(call.tool_name)
     except UnknownTool:
         tool = None
-    if tool is None or tool.version != call.tool_version:
+    if not _tool_accepts(lease, step, call, tool):
         return _tool_changed(lease, step, call, tool)
 
     status = call.status
@@ -41,12 +43,6 @@ def _continue_step(lease: Lease, step: Step) -> str:
     if status == ToolCall.Status.AWAITING_APPROVAL:
         _release(lease, status=Run.Status.WAITING_APPROVAL)
         return Outcome.PARKED
-    if status == ToolCall.Status.REJECTED:
-        _fail_step(lease, step, f"approval rejected: {call.last_error}".rstrip(": "))
-        return Outcome.CONTINUE
-    if status == ToolCall.Status.CANCELLED:
-        _fail_step(lease, step, "tool call cancelled")
-        return Outcome.CONTINUE
     if status == ToolCall.Status.DISPATCHING:
         # Left in flight by an earlier incarnation: nobody knows whether it took effect.
         _mark_unknown(
@@ -59,26 +55,73 @@ def _continue_step(lease: Lease, step: Step) -> str:
         # that started after the original request could no longer land), and any other
         # waits out its landing deadline (DESIGN §9)
         return _reconcile(lease, step, call, tool, authorized=True)
-    if status == ToolCall.Status.UNKNOWN:
-        return _reconcile(lease, step, call, tool)
-    # succeeded / failed with a receipt but the step still open
-    receipt = ToolReceipt.objects.get(tool_call=call)
+    return _reconcile(lease, step, call, tool)
+
+
+def _settle_from_record(lease: Lease, step: Step, call: ToolCall) -> bool:
+    """Settled is settled: a call with a receipt (from the tool, a reconciliation or an
+    operator), a rejection or a cancellation ends its step from the record, whatever was
+    deployed since — the tool is not looked at, so a changed or retired tool can neither
+    fail a call that happened (the agent would decide it again: a side effect twice) nor
+    turn an approver's rejection into ``tool_retired``. False for a call still to settle.
+    The hosted loop and the remote protocol's resume checklist both start here."""
+    if call.status == ToolCall.Status.REJECTED:
+        comment = call.last_error  # the approver's comment (toolcall_gate_settled)
+        _fail_step(lease, step, f"approval rejected: {comment}" if comment else "approval rejected")
+        return True
+    if call.status == ToolCall.Status.CANCELLED:
+        _fail_step(lease, step, "tool call cancelled")
+        return True
+    if call.status not in (ToolCall.Status.SUCCEEDED, ToolCall.Status.FAILED):
+        return False
+    # a receipt recorded while its step could not be completed (an operator's answer on a
+    # run whose agent changed version, a crash between the two): the step completes from it
+    receipt = ToolReceipt.objects.filter(tool_call=call).first()
+    ok = receipt is not None and receipt.outcome == ToolReceipt.Outcome.SUCCEEDED
+    error = ""
+    if not ok:
+        result = receipt.result if receipt is not None else None
+        error = str(result.get("error", "")) if isinstance(result, dict) else ""
+        error = error or call.last_error or "the tool call failed"
     with lease.checkpoint() as cp:
-        _complete_step(
-            cp,
-            lease,
-            step,
-            call,
-            receipt.outcome == ToolReceipt.Outcome.SUCCEEDED,
-            receipt.result,
-            "",
-        )
-    return Outcome.CONTINUE
+        _complete_step(cp, lease, step, call, ok, receipt.result if ok else None, error)
+    return True
+
+
+def _tool_accepts(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -> bool:
+    """Whether the registered tool is the one the call was decided for: the same fingerprint,
+    or one the tool declares compatible on purpose (``compatible_with``). An accepted
+    change is recorded once per call and fingerprint (``tool.version_accepted``); the call
+    keeps the fingerprint it was decided and approved under."""
+    if tool is None or not tool.accepts(call.tool_version):
+        return False
+    if tool.version != call.tool_version:
+        recorded = RunEvent.objects.filter(
+            run_id=lease.run.id,
+            type="tool.version_accepted",
+            payload__seq=step.seq,
+            payload__to_version=tool.version,
+        ).exists()
+        if not recorded:
+            with lease.checkpoint() as cp:
+                cp.event(
+                    "tool.version_accepted",
+                    seq=step.seq,
+                    tool=call.tool_name,
+                    from_version=call.tool_version,
+                    to_version=tool.version,
+                    declared_version=tool.declared_version,
+                    status=call.status,
+                )
+    return True
 
 
 def _tool_changed(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -> str:
-    """The call's tool is gone or changed since it was decided (DESIGN §5.2). A call that
-    was never dispatched is cancelled; one in flight keeps its unknown outcome for a person."""
+    """The call's tool is gone or changed since it was decided (DESIGN §5.2), and the call
+    has not settled (``_settle_from_record`` comes first). A call never dispatched is bound
+    to the new fingerprint, its approval cancelled and asked again; one whose arguments the
+    new tool refuses, or whose tool is gone, is cancelled and its step fails with
+    ``tool_retired``; one in flight keeps its unknown outcome for a person."""
     detail = (
         f"tool {call.tool_name!r} is no longer registered"
         if tool is None
@@ -89,6 +132,8 @@ def _tool_changed(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -
             _mark_unknown(lease, call, "left in dispatching; " + detail)
         _park_needs_attention(lease, Run.Reason.TOOL_RETIRED, detail + "; its outcome is unknown")
         return Outcome.PARKED
+    if _settle_from_record(lease, step, call):
+        return Outcome.CONTINUE  # settled: never failed by a compatibility check
     undispatched = (
         ToolCall.Status.PROPOSED,
         ToolCall.Status.AWAITING_APPROVAL,
@@ -100,18 +145,17 @@ def _tool_changed(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -
             return _rebind_to_tool_version(lease, step, call, tool)
         detail += "; the call's arguments do not match it: " + "; ".join(errors)
     with lease.checkpoint() as cp:
-        if call.status in ToolCall.OPEN:
-            get_gate().cancel(cp=cp, call=call, reason="tool_retired")
-            ToolCall.objects.filter(id=call.id).update(
-                status=ToolCall.Status.CANCELLED, updated_at=timezone.now()
-            )
-            cp.event(
-                "tool.cancelled",
-                seq=step.seq,
-                tool=call.tool_name,
-                reason="tool_retired",
-                detail=detail,
-            )
+        get_gate().cancel(cp=cp, call=call, reason="tool_retired")
+        ToolCall.objects.filter(id=call.id).update(
+            status=ToolCall.Status.CANCELLED, updated_at=timezone.now()
+        )
+        cp.event(
+            "tool.cancelled",
+            seq=step.seq,
+            tool=call.tool_name,
+            reason="tool_retired",
+            detail=detail,
+        )
         _fail_step_in(cp, lease, step, f"tool_retired: {detail}")
     return Outcome.CONTINUE
 

@@ -18,7 +18,7 @@ from runs import engine
 from runs.actors import Actor
 from runs.dbtime import db_now
 from runs.events import LeaseLost, RunNotFound, checkpoint
-from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.models import Run, Step, ToolCall
 from runs.registry import Effect, UnknownTool, registry
 from runs.remote.manifest import is_remote
 from runs.remote.resume import resume_packet
@@ -118,12 +118,13 @@ def _open_step_call(lease: RemoteLease) -> tuple[Step, ToolCall] | None:
 
 
 def _settle_open_step(lease: RemoteLease) -> None:
-    """At claim, as the engine does in ``_continue_step``: a call left in flight by an earlier
-    incarnation becomes ``unknown`` (never silently dispatched again); a rejected or
-    cancelled one fails its step; a receipt recorded without its step completing completes
-    it; a retired or changed tool follows the engine's rules. An ``unsafe`` unknown outcome
-    goes to a person. An open wait (claimed because its timer or timeout fell due before the
-    sweeper ended it) ends here as the engine's ``_continue_wait`` ends it, or parks again."""
+    """At claim, as the engine does in ``_continue_step``: a call that settled (a receipt, a
+    rejection, a cancellation) ends its step from the record whatever was deployed since; a
+    retired or changed tool follows the engine's rules for the calls still open; a call left
+    in flight by an earlier incarnation becomes ``unknown`` (never silently dispatched
+    again), and an ``unsafe`` unknown outcome goes to a person. An open wait (claimed
+    because its timer or timeout fell due before the sweeper ended it) ends here as the
+    engine's ``_continue_wait`` ends it, or parks again."""
     step = lease.open_step()
     if step is not None and step.kind == Step.Kind.WAIT:
         engine._continue_wait(lease, step)
@@ -132,11 +133,13 @@ def _settle_open_step(lease: RemoteLease) -> None:
     if found is None:
         return
     step, call = found
+    if engine._settle_from_record(lease, step, call):
+        return
     try:
         tool = registry.tool(call.tool_name)
     except UnknownTool:
         tool = None
-    if tool is None or tool.version != call.tool_version:
+    if not engine._tool_accepts(lease, step, call, tool):
         engine._tool_changed(lease, step, call, tool)
         return
     if call.status == ToolCall.Status.DISPATCHING:
@@ -149,22 +152,6 @@ def _settle_open_step(lease: RemoteLease) -> None:
             Run.Reason.UNKNOWN_OUTCOME,
             f"{tool.name} (unsafe) may or may not have acted: {call.last_error}",
         )
-    elif call.status == ToolCall.Status.REJECTED:
-        engine._fail_step(lease, step, f"approval rejected: {call.last_error}".rstrip(": "))
-    elif call.status == ToolCall.Status.CANCELLED:
-        engine._fail_step(lease, step, "tool call cancelled")
-    elif call.status in (ToolCall.Status.SUCCEEDED, ToolCall.Status.FAILED):
-        receipt = ToolReceipt.objects.get(tool_call=call)
-        with lease.checkpoint() as cp:
-            engine._complete_step(
-                cp,
-                lease,
-                step,
-                call,
-                receipt.outcome == ToolReceipt.Outcome.SUCCEEDED,
-                receipt.result,
-                "",
-            )
 
 
 @dataclass(frozen=True)

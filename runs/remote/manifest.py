@@ -70,6 +70,8 @@ def _predicate(spec: Mapping[str, Any]) -> Callable[[Mapping[str, Any]], bool]:
             return True
 
     when.__doc__ = f"{name} {op} {value!r}"
+    # the rule is data from the manifest: the tool's fingerprint covers it, not this code
+    when.__fingerprint__ = {"argument": name, "op": op, "value": value}  # type: ignore[attr-defined]
     return when
 
 
@@ -100,6 +102,19 @@ def _remote_only_reconcile(key: str, arguments: Mapping[str, Any]) -> Reconcilia
     raise RuntimeError("a remote agent's tool is reconciled by the agent process")
 
 
+def _reported_precondition(arguments: Mapping[str, Any]) -> str:
+    return _reported_fingerprint.get()
+
+
+# A manifest tool's code lives in the agent process: its fingerprint (runs.registry) is the
+# manifest's declaration alone (version, schema, effect, sensitive fields, approval rule,
+# whether it has a lookup and a precondition), so an upgrade of these stand-ins never looks
+# like a changed tool.
+_remote_only_call.__fingerprint__ = "remote call"  # type: ignore[attr-defined]
+_remote_only_reconcile.__fingerprint__ = "remote lookup"  # type: ignore[attr-defined]
+_reported_precondition.__fingerprint__ = "remote precondition"  # type: ignore[attr-defined]
+
+
 def manifest_tool(agent_name: str, spec: Mapping[str, Any]) -> Tool:
     effect = Effect(spec["effect"])
     return Tool(
@@ -113,9 +128,7 @@ def manifest_tool(agent_name: str, spec: Mapping[str, Any]) -> Tool:
         allowed_groups=tuple(spec.get("allowed_groups", ())),
         timeout=float(spec.get("timeout", 10.0)),
         reconcile=_remote_only_reconcile if effect == Effect.RECONCILABLE else None,
-        precondition=(lambda _arguments: _reported_fingerprint.get())
-        if spec.get("precondition")
-        else None,
+        precondition=_reported_precondition if spec.get("precondition") else None,
         version=str(spec.get("version", "")),
     )
 

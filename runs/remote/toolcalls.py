@@ -166,11 +166,15 @@ def remote_toolcall_dispatch(
         raise InvalidState(f"the call is {call.status}; it is not the run's open step")
     if call.status == ToolCall.Status.DISPATCHING and call.dispatch_incarnation == fence:
         return Dispatch(True, call, "already dispatching (a retried request)")
+    if call.status not in ToolCall.OPEN:
+        # settled (a receipt, a rejection): before any compatibility check, which must never
+        # fail a call that settled
+        raise InvalidState(f"the call is {call.status}; it cannot be dispatched")
     try:
         tool = registry.tool(call.tool_name)
     except UnknownTool:
         tool = None
-    if tool is None or tool.version != call.tool_version:
+    if not engine._tool_accepts(lease, step, call, tool):
         engine._tool_changed(lease, step, call, tool)
         call.refresh_from_db()
         return Dispatch(False, call, "the tool changed since the call was proposed")

@@ -121,7 +121,7 @@ def _row(
 ) -> dict[str, Any]:
     """What one call's card shows and which resolutions it offers."""
     tool = tools.get(call.tool_name)
-    current = tool is not None and tool.version == call.tool_version
+    current = tool is not None and tool.accepts(call.tool_version)
     waiting = call.run.status == Run.Status.NEEDS_ATTENTION
     return {
         "call": call,

@@ -10,6 +10,7 @@ import pytest
 from django.utils import timezone
 
 from runs.models import IdempotentRequest, Run, RunEvent
+from runs.registry import registry
 from tests.api.conftest import assert_error, client_for, start
 from tests.support import event_types
 
@@ -49,6 +50,9 @@ def test_agents_lists_tools_with_effect_policy_and_sensitive_fields(as_viewer, a
     assert tool["approval"]["when"] == "always"
     assert tool["approval"]["group"] == "approver"
     assert tool["timeout"] == 1.0
+    # the fingerprint every call of the tool records (docs/agents.md)
+    assert tool["version"] == registry.tool("api_pay").version
+    assert (tool["declared_version"], tool["compatible_with"]) == ("", [])
     assert "refund" in agents  # the demo agents are registered too
 
 

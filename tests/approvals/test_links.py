@@ -4,6 +4,7 @@ once."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from datetime import timedelta
 
@@ -46,10 +47,8 @@ def _post(client: Client, token: str, decision: str = "approve", *, sign_in=True
     """POST the link's form as its recipient would: signed in as the link's approver (unless
     ``sign_in=False`` or someone is signed in already), the confirmation box ticked."""
     if sign_in and "_auth_user_id" not in client.session:
-        try:
+        with contextlib.suppress(LinkInvalid):
             client.force_login(approval_link_get(token).approver)
-        except LinkInvalid:
-            pass
     return client.post(link(token), {"decision": decision, "confirm": "yes", **data})
 
 

@@ -13,13 +13,23 @@ from approvals.services import approval_decide
 from runs import engine
 from runs.actors import Actor
 from runs.models import Run, Step, ToolCall, ToolReceipt
-from runs.registry import ApprovalPolicy, CallTool, Effect, Finish, registry
+from runs.registry import (
+    ApprovalPolicy,
+    CallTool,
+    Effect,
+    Finish,
+    OutcomeUnknown,
+    Tool,
+    ToolResult,
+    registry,
+)
 from runs.services import (
     InvalidInput,
     run_create,
     run_fork,
     run_resume,
     run_terminate,
+    toolcall_resolve,
 )
 from tests.conftest import drive
 from tests.support import (
@@ -418,3 +428,234 @@ def test_a_principal_outside_the_tools_groups_pauses_the_run_and_keeps_the_decis
     assert run.status == Run.Status.SUCCEEDED
     assert len(body.calls) == 1
     assert decisions == [0, 1]  # the call was decided once, not asked again
+
+
+# --- settled is settled (issue 25): no compatibility check fails a call that settled ----------
+
+
+def _deploy_agent_v2(name: str, decide, tools: tuple[str, ...]) -> None:
+    """A deploy: the agent's new version, with a migration from the old one."""
+    new = ScriptedAgent(name, decide, tools=tools, version="2")
+    new.migrations = [("1", "2", lambda state: {**state, "migrated": True})]
+    registry.register_agent(new)
+
+
+@pytest.fixture
+def lost_unsafe_send(register, system_actor):
+    """An unsafe call whose outcome was lost: the run waits for a person. The agent sends
+    again whenever its last send failed, so a send failed by mistake would go out twice."""
+    plan = {"lose": 1}
+
+    def behaviour(arguments, ctx):
+        if plan["lose"]:
+            plan["lose"] -= 1
+            raise OutcomeUnknown("connection reset by peer")
+
+    body = CountingTool(behaviour)
+
+    def decide(ctx):
+        if not ctx.steps or ctx.last_step.status == Step.Status.FAILED:
+            return CallTool("deploy_unsafe_send", {"to": "c@example.com"})
+        return Finish({"output": ctx.last_step.output, "state": dict(ctx.state)})
+
+    register(
+        make_tool("deploy_unsafe_send", body, effect=Effect.UNSAFE),
+        ScriptedAgent("deploy_sender", decide, tools=("deploy_unsafe_send",)),
+    )
+    run = drive(run_create(agent_name="deploy_sender", actor=system_actor).id)
+    assert (run.status, run.reason_code) == (Run.Status.NEEDS_ATTENTION, "unknown_outcome")
+    assert len(body.calls) == 1
+    return body, decide, run
+
+
+def _resolve_happened(run: Run, olivia: Actor) -> ToolCall:
+    call = toolcall_resolve(
+        tool_call_id=ToolCall.objects.get(run=run).id,
+        outcome="happened",
+        actor=olivia,
+        result={"notification_id": "ntf_7"},
+    )
+    assert call.receipt.source == ToolReceipt.Source.OPERATOR
+    # the agent changed version: the step waits for the migrated state to complete it
+    assert Step.objects.get(run=run, seq=1).status == Step.Status.PENDING
+    return call
+
+
+def test_an_unsafe_call_resolved_as_happened_completes_after_its_tool_changed(
+    lost_unsafe_send, olivia
+):
+    body, decide, run = lost_unsafe_send
+    _deploy_agent_v2("deploy_sender", decide, ("deploy_unsafe_send",))
+    registry.register_tool(
+        make_tool(
+            "deploy_unsafe_send",
+            body,
+            effect=Effect.UNSAFE,
+            schema={"type": "object", "properties": {"to": {"type": "string"}}},
+        )
+    )
+    _resolve_happened(run, olivia)
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result == {"output": {"notification_id": "ntf_7"}, "state": {"migrated": True}}
+    assert len(body.calls) == 1  # never sent a second time
+    step = Step.objects.get(run=run, seq=1)
+    assert (step.status, step.output) == (Step.Status.COMPLETED, {"notification_id": "ntf_7"})
+    assert ToolCall.objects.get(run=run).status == ToolCall.Status.SUCCEEDED
+    assert events(run.id, "tool.cancelled") == []
+    assert Step.objects.filter(run=run).count() == 2  # the send, then finish
+
+
+def test_a_receipt_whose_step_is_open_completes_though_its_tool_was_retired(
+    lost_unsafe_send, olivia
+):
+    body, decide, run = lost_unsafe_send
+    registry.unregister_tool("deploy_unsafe_send")
+    _deploy_agent_v2("deploy_sender", lambda ctx: Finish({"output": ctx.last_step.output}), ())
+    _resolve_happened(run, olivia)
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result == {"output": {"notification_id": "ntf_7"}}
+    assert Step.objects.get(run=run, seq=1).status == Step.Status.COMPLETED
+    assert len(body.calls) == 1
+    assert "tool_retired" not in (run.reason_code, *event_types(run.id))
+
+
+def test_a_rejection_reaches_the_agent_with_its_comment_after_the_tool_changed(
+    gated, system_actor, approver
+):
+    body, _ = gated
+    run = drive(run_create(agent_name="gated", actor=system_actor).id)
+    approval_decide(
+        approval_id=Approval.objects.get(run=run).id,
+        decision="reject",
+        comment="not this month",
+        actor=Actor.for_user(approver, "web"),
+    )
+    registry.register_tool(
+        make_tool(
+            "gated_write",
+            body,
+            effect=Effect.IDEMPOTENT,
+            approval=ALWAYS,
+            schema={"type": "object", "properties": {"amount": {"type": "number"}}},
+        )
+    )
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result == {"status": "failed", "error": "approval rejected: not this month"}
+    assert body.calls == []
+    assert ToolCall.objects.get(run=run).status == ToolCall.Status.REJECTED
+    assert events(run.id, "tool.cancelled") == []
+    assert events(run.id, "tool.version_changed") == []
+
+
+# --- a tool's identity covers what it does (issue 25) ------------------------------------------
+
+
+def _charge_v1(arguments, ctx):
+    CHARGED.append(("v1", arguments["amount"]))
+    return ToolResult({"charged": arguments["amount"]})
+
+
+def _charge_v2(arguments, ctx):
+    # the same schema and policy; only what it does changed (cents, not units)
+    CHARGED.append(("v2", arguments["amount"] * 100))
+    return ToolResult({"charged": arguments["amount"] * 100})
+
+
+CHARGED: list[tuple[str, int]] = []
+
+
+def _charge_tool(call=_charge_v1, **overrides) -> Tool:
+    return Tool(
+        **{
+            "name": "deploy_charge",
+            "effect": Effect.IDEMPOTENT,
+            "call": call,
+            "schema": {"type": "object", "properties": {"amount": {"type": "integer"}}},
+            "approval": ALWAYS,
+            "precondition": lambda arguments: "balance=500",
+        }
+        | overrides
+    )
+
+
+@pytest.fixture
+def approved_charge(register, system_actor, approver):
+    """A charge of 150 approved on the first tool, not dispatched yet."""
+    CHARGED.clear()
+
+    def decide(ctx):
+        if not ctx.steps:
+            return CallTool("deploy_charge", {"amount": 150})
+        return Finish({"status": ctx.last_step.status, "output": ctx.last_step.output})
+
+    tool = _charge_tool()
+    register(tool, ScriptedAgent("deploy_charger", decide, tools=("deploy_charge",)))
+    run = drive(run_create(agent_name="deploy_charger", actor=system_actor).id)
+    _approve(run, approver)
+    return run, tool
+
+
+@pytest.mark.parametrize(
+    "changed",
+    [
+        pytest.param(lambda: _charge_tool(call=_charge_v2), id="behaviour-only"),
+        pytest.param(lambda: _charge_tool(precondition=None), id="precondition-removed"),
+    ],
+)
+def test_a_changed_fingerprint_cancels_the_approval_and_asks_again(
+    approved_charge, approver, changed
+):
+    run, old_tool = approved_charge
+    new_tool = changed()
+    assert new_tool.version != old_tool.version
+    registry.register_tool(new_tool)
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.WAITING_APPROVAL
+    assert CHARGED == []  # the changed tool never used the old approval
+    old, new = Approval.objects.filter(run=run).order_by("requested_at", "id")
+    assert (old.status, old.reason, old.consumed_at) == ("cancelled", "tool_version_changed", None)
+    assert (old.tool_version, new.tool_version) == (old_tool.version, new_tool.version)
+    assert new.status == Approval.Status.PENDING
+    assert ToolCall.objects.get(run=run).tool_version == new_tool.version
+    (changed_event,) = events(run.id, "tool.version_changed")
+    assert changed_event.payload["from_version"] == old_tool.version
+    assert changed_event.payload["to_version"] == new_tool.version
+
+    _approve(run, approver)
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert len(CHARGED) == 1
+    assert Approval.objects.get(id=new.id).consumed_at is not None
+
+
+def test_a_change_declared_compatible_keeps_the_approval_and_is_recorded(approved_charge, approver):
+    run, old_tool = approved_charge
+    new_tool = _charge_tool(call=_charge_v2, compatible_with=(old_tool.version,))
+    registry.register_tool(new_tool)
+
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert CHARGED == [("v2", 15000)]  # what the tool's author declared the same tool
+    (approval,) = Approval.objects.filter(run=run)
+    assert approval.status == Approval.Status.APPROVED and approval.consumed_at is not None
+    (accepted,) = events(run.id, "tool.version_accepted")
+    assert (accepted.payload["from_version"], accepted.payload["to_version"]) == (
+        old_tool.version,
+        new_tool.version,
+    )
+    assert events(run.id, "tool.version_changed") == []
+    # the call keeps the fingerprint it was decided and approved under
+    assert ToolCall.objects.get(run=run).tool_version == old_tool.version
