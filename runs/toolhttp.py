@@ -57,14 +57,9 @@ def request(
     headers = {**ctx.headers(), **kwargs.pop("headers", {})}
     extensions = {**kwargs.pop("extensions", {}), "trace": trace}
     try:
-        response = httpx.request(
-            method,
-            url,
-            headers=headers,
-            timeout=httpx.Timeout(ctx.remaining()),
-            extensions=extensions,
-            **kwargs,
-        )
+        # a client, not httpx.request(): only Client.request takes ``extensions``
+        with httpx.Client(timeout=httpx.Timeout(ctx.remaining())) as client:
+            response = client.request(method, url, headers=headers, extensions=extensions, **kwargs)
     except SendDeadlinePassed:
         raise
     except httpx.TimeoutException as exc:

@@ -25,6 +25,7 @@ def worker_env(sandbox: Any = None, **overrides: str) -> dict[str, str]:
     at the test database: pytest-django renamed it in the live settings only."""
     env = dict(os.environ)
     env.pop("AGENTOPS_CRASH_AT", None)
+    env.pop("AGENTOPS_PAUSE_AT", None)
     env.update(
         {
             "DJANGO_SETTINGS_MODULE": "tests.settings",
