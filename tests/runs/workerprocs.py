@@ -90,6 +90,18 @@ class WorkerProcess:
             return False
         return True
 
+    def frozen(self) -> bool:
+        """The main process is stopped (SIGSTOP, e.g. by AGENTOPS_PAUSE_AT)."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+
+    def resume(self) -> None:
+        """SIGCONT to the whole process group, as whoever froze it would."""
+        os.killpg(self.pid, signal.SIGCONT)
+
     def kill_group(self) -> None:
         with suppress(ProcessLookupError):
             os.killpg(self.pid, signal.SIGKILL)
