@@ -272,6 +272,8 @@ def test_chaos_refuses_database_faults_on_sqlite():
         (["--workers", "0"], "--workers must be between 1 and 16"),
         (["--timeout", "0"], "--timeout must be a positive number"),
         (["--boundaries", "claimed,nowhere"], "unknown boundary 'nowhere'"),
+        (["--pauses", "-1"], "--pauses must be between 0 and 100"),
+        (["--sandbox-modes", "key,sometimes"], "--sandbox-modes: expected .* not 'sometimes'"),
     ],
 )
 def test_chaos_refuses_bad_options_with_one_line(arguments, message):
