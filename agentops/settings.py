@@ -323,6 +323,16 @@ AGENTOPS = {
     "STARTUP_DB_WAIT": env_float("AGENTOPS_STARTUP_DB_WAIT", 30.0),
     "DEFAULT_MAX_STEPS": env_int("AGENTOPS_DEFAULT_MAX_STEPS", 100),
     "SANDBOX_URL": env_str("AGENTOPS_SANDBOX_URL", "http://127.0.0.1:8765"),
+    # what the sandbox honours, as the demo tools declare it (agentops/demo/tools.py,
+    # docs/agents.md "What the downstream honours"): ``key`` (it deduplicates refunds by
+    # idempotency key), ``deadline`` (it refuses writes received after their send deadline);
+    # empty: nothing. The default matches the sandbox's default mode (``--mode dedupe``,
+    # deadline checking off); set it to match how the sandbox runs.
+    "SANDBOX_HONOURS": env_list("AGENTOPS_SANDBOX_HONOURS", ["key"]),
+    # ``person``: the refund tool sends an absent lookup to an operator instead of sending again
+    "SANDBOX_RESEND": env_str("AGENTOPS_SANDBOX_RESEND", "auto"),
+    # the demo tools' total timeout (seconds) for one call, connection set-up included
+    "SANDBOX_TIMEOUT": env_float("AGENTOPS_SANDBOX_TIMEOUT", 5.0),
     # absolute links in emails (approval links) start with this
     "BASE_URL": env_str("AGENTOPS_BASE_URL", "http://127.0.0.1:8000"),
     # a pending approval's approvers are reminded once, this many seconds before it
@@ -345,6 +355,18 @@ AGENTOPS = {
     # the dashboard's "needs me" list shows pending approvals expiring within this many seconds
     "APPROVAL_EXPIRING_WITHIN": env_float("AGENTOPS_APPROVAL_EXPIRING_WITHIN", 3600.0),
 }
+_unknown_honours = set(AGENTOPS["SANDBOX_HONOURS"]) - {"key", "deadline"}
+if _unknown_honours:
+    raise ImproperlyConfigured(
+        f"AGENTOPS_SANDBOX_HONOURS: unknown {sorted(_unknown_honours)[0]!r} "
+        "(expected a comma-separated list of key, deadline; empty for nothing)"
+    )
+if AGENTOPS["SANDBOX_RESEND"] not in ("auto", "person"):
+    raise ImproperlyConfigured(
+        f"AGENTOPS_SANDBOX_RESEND={AGENTOPS['SANDBOX_RESEND']!r}: expected auto or person"
+    )
+if AGENTOPS["SANDBOX_TIMEOUT"] <= 0:
+    raise ImproperlyConfigured("AGENTOPS_SANDBOX_TIMEOUT must be a positive number of seconds")
 
 # --- health and metrics (runs/health.py, docs/operations.md "Health and metrics") ---------
 # /metrics and /healthz/workers answer a client in ALLOWED_NETWORKS (a request that came

@@ -26,6 +26,10 @@ def sandbox(sandbox_process, monkeypatch):
     import httpx
 
     httpx.post(f"{sandbox_process.url}/reset", timeout=5).raise_for_status()
+    # a test may have switched it at runtime
+    httpx.post(
+        f"{sandbox_process.url}/mode", json={"dedupe": False, "deadline": False}, timeout=5
+    ).raise_for_status()
     monkeypatch.setitem(settings.AGENTOPS, "SANDBOX_URL", sandbox_process.url)
     return sandbox_process
 

@@ -25,6 +25,9 @@ _FAST = {
     # webhook receivers in tests listen on loopback
     "AGENTOPS_WEBHOOK_ALLOWED_NETWORKS": "127.0.0.0/8,::1/128",
     "AGENTOPS_WEBHOOK_BACKOFF": "0.2",
+    # the suite's sandbox runs non-deduplicating without deadline checks (tests/conftest.py):
+    # the demo tools declare that its downstream honours nothing
+    "AGENTOPS_SANDBOX_HONOURS": "",
 }
 for _key, _value in _FAST.items():
     os.environ.setdefault(_key, _value)

@@ -11,11 +11,20 @@ times each effect really happened.
 
 What it models:
 
-* ``POST /refunds`` takes an ``idempotency_key``.  In ``dedupe`` mode the service
-  honours it (a repeated key returns the original refund); in ``nodedupe`` mode it
-  does not (every request applies a new refund), so only the caller's own
-  discipline -- record the intent, look it up before retrying -- prevents a double
-  refund.
+* ``POST /refunds`` takes an ``idempotency_key``.  With key deduplication on
+  (``--dedupe``, ``--mode dedupe``) the service honours it (a repeated key returns the
+  original refund); with it off (``--no-dedupe``, ``--mode nodedupe``) it does not
+  (every request applies a new refund), so only the caller's own discipline -- record
+  the intent, look it up before retrying -- prevents a double refund.
+* Send deadlines (DESIGN §9).  Every logged request records the ``X-Agentops-Fence`` and
+  ``X-Agentops-Send-Deadline`` headers it carried and when it was received, by this
+  service's clock; one received at or after its send deadline is a **late send**, counted
+  (``late``) whether or not it was applied.  With deadline checking on (``--deadline``) a
+  late ``POST /refunds`` or ``POST /notifications`` is refused without applying: 409
+  ``{"error": "send_deadline_passed"}``, logged as refused.  ``GET /requests?late=1`` lists
+  the late ones, ``GET /requests/summary`` counts them.
+* Both switches are shown by ``GET /health`` and changed at runtime by ``POST /mode``
+  (``{"dedupe": true|false, "deadline": true|false}``, either or both).
 * ``GET /refunds?idempotency_key=K`` lets the caller reconcile an uncertain outcome.
 * ``POST /notifications`` is a non-idempotent, non-reconcilable action: it always
   applies and cannot be looked up, so the engine must treat it as at-most-once.
@@ -28,7 +37,7 @@ What it models:
 Run it with::
 
     python -m agentops.demo.sandbox --host 127.0.0.1 --port 8765 \\
-        --db var/sandbox.sqlite3 --mode dedupe
+        --db var/sandbox.sqlite3 --mode dedupe [--deadline]
 
 Tests and the harness use :func:`start_sandbox`, which launches it as a subprocess.
 """
@@ -61,6 +70,12 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 MODES = ("dedupe", "nodedupe")
+FENCE_HEADER = "X-Agentops-Fence"
+SEND_DEADLINE_HEADER = "X-Agentops-Send-Deadline"
+# the answer to a late request with deadline checking on (runs.toolhttp.LATE_CODE)
+LATE_CODE = "send_deadline_passed"
+# the writes a deadline check guards
+DEADLINE_PATHS = ("/refunds", "/notifications")
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8765
 DEFAULT_DB = "var/sandbox.sqlite3"
@@ -126,7 +141,11 @@ CREATE TABLE IF NOT EXISTS requests (
     received_at TEXT NOT NULL,
     applied INTEGER NOT NULL DEFAULT 0,
     fault TEXT,
-    response_status INTEGER
+    response_status INTEGER,
+    fence TEXT,
+    send_deadline TEXT,
+    late INTEGER NOT NULL DEFAULT 0,
+    refused INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS requests_key ON requests(idempotency_key);
 CREATE TABLE IF NOT EXISTS faults (
@@ -134,6 +153,13 @@ CREATE TABLE IF NOT EXISTS faults (
     value INTEGER NOT NULL
 );
 """
+# columns added after the first release: a sandbox file made by an older version gets them
+REQUEST_COLUMNS_ADDED = (
+    ("fence", "TEXT"),
+    ("send_deadline", "TEXT"),
+    ("late", "INTEGER NOT NULL DEFAULT 0"),
+    ("refused", "INTEGER NOT NULL DEFAULT 0"),
+)
 
 
 def now_iso() -> str:
@@ -182,6 +208,30 @@ class Fault:
             "invalid_fault",
             "expected latency=<ms>, drop, 5xx, lookup_error or lookup_unknown",
         )
+
+
+@dataclass(frozen=True)
+class Received:
+    """When a request arrived (this service's clock) and the deadline headers it carried.
+    ``late``: received at or after the send deadline it carried."""
+
+    at: str
+    fence: str | None = None
+    send_deadline: str | None = None
+    late: bool = False
+
+
+def parse_deadline(value: str) -> datetime:
+    """``X-Agentops-Send-Deadline``: an ISO 8601 time with its offset; ApiError if not."""
+    try:
+        deadline = datetime.fromisoformat(value.strip())
+    except ValueError:
+        deadline = None
+    if deadline is None or deadline.tzinfo is None:
+        raise ApiError(
+            400, "invalid_send_deadline", f"{SEND_DEADLINE_HEADER} must be an ISO 8601 time"
+        )
+    return deadline
 
 
 @dataclass
@@ -240,6 +290,10 @@ class SandboxStore:
         try:
             conn.execute("PRAGMA journal_mode = WAL")
             conn.executescript(SCHEMA)
+            have = {row["name"] for row in conn.execute("PRAGMA table_info(requests)")}
+            for column, definition in REQUEST_COLUMNS_ADDED:
+                if column not in have:
+                    conn.execute(f"ALTER TABLE requests ADD COLUMN {column} {definition}")
         finally:
             conn.close()
         with self.write() as conn:
@@ -396,19 +450,33 @@ class SandboxStore:
         idempotency_key: str | None,
         header_fault: Fault | None,
         kind: str,
+        received: Received | None = None,
+        refused: bool = False,
     ) -> tuple[int, Fault]:
         """Record a request and decide its fault, atomically.
 
         ``kind`` is ``"write"`` (POST /refunds: the global queue applies),
         ``"lookup"`` (GET /refunds?idempotency_key: lookup counters apply) or
-        ``"other"`` (only the per-request header applies).
+        ``"other"`` (only the per-request header applies). A ``refused`` request (late,
+        with deadline checking on) takes no fault: it is answered at once.
         """
+        received = received or Received(now_iso())
         with self.write() as conn:
-            fault = header_fault or self._take_global_fault(conn, kind)
+            fault = Fault() if refused else header_fault or self._take_global_fault(conn, kind)
             cursor = conn.execute(
-                "INSERT INTO requests (path, method, idempotency_key, received_at, fault)"
-                " VALUES (?, ?, ?, ?, ?)",
-                (path, method, idempotency_key, now_iso(), fault.kind),
+                "INSERT INTO requests (path, method, idempotency_key, received_at, fault,"
+                " fence, send_deadline, late, refused) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    path,
+                    method,
+                    idempotency_key,
+                    received.at,
+                    fault.kind,
+                    received.fence,
+                    received.send_deadline,
+                    int(received.late),
+                    int(refused),
+                ),
             )
             log_id = cursor.lastrowid
         assert log_id is not None
@@ -460,9 +528,10 @@ class SandboxStore:
         idempotency_key: str | None = None,
         path: str | None = None,
         method: str | None = None,
+        late: bool | None = None,
     ) -> list[dict[str, Any]]:
         clauses: list[str] = []
-        params: list[str] = []
+        params: list[str | int] = []
         for column, value in (("idempotency_key", idempotency_key), ("path", path)):
             if value is not None:
                 clauses.append(f"{column} = ?")
@@ -470,6 +539,9 @@ class SandboxStore:
         if method is not None:
             clauses.append("method = ?")
             params.append(method.upper())
+        if late is not None:
+            clauses.append("late = ?")
+            params.append(int(late))
         where = f" WHERE {' AND '.join(clauses)}" if clauses else ""
         with self.read() as conn:
             rows = conn.execute(f"SELECT * FROM requests{where} ORDER BY id", params).fetchall()
@@ -483,9 +555,26 @@ class SandboxStore:
                 "applied": bool(row["applied"]),
                 "fault": row["fault"],
                 "response_status": row["response_status"],
+                "fence": row["fence"],
+                "send_deadline": row["send_deadline"],
+                "late": bool(row["late"]),
+                "refused": bool(row["refused"]),
             }
             for row in rows
         ]
+
+    def request_summary(self) -> dict[str, int]:
+        """How many requests were logged, how many arrived after their send deadline (and
+        of those how many were applied anyway), and how many were refused as late."""
+        with self.read() as conn:
+            row = conn.execute(
+                "SELECT count(*) AS requests,"
+                " coalesce(sum(late), 0) AS late,"
+                " coalesce(sum(late AND applied), 0) AS late_applied,"
+                " coalesce(sum(refused), 0) AS refused"
+                " FROM requests"
+            ).fetchone()
+        return {name: int(row[name]) for name in ("requests", "late", "late_applied", "refused")}
 
     @staticmethod
     def _read_faults(conn: sqlite3.Connection) -> dict[str, int]:
@@ -518,7 +607,8 @@ class SandboxStore:
 
 
 class SandboxServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer carrying the store and the dedupe mode."""
+    """ThreadingHTTPServer carrying the store and the two switches: key deduplication and
+    deadline checking (both changeable at runtime: ``POST /mode``)."""
 
     daemon_threads = True
     allow_reuse_address = True
@@ -528,15 +618,26 @@ class SandboxServer(ThreadingHTTPServer):
         address: tuple[str, int],
         *,
         store: SandboxStore,
-        mode: str,
+        mode: str = "dedupe",
         verbose: bool = False,
+        dedupe: bool | None = None,
+        deadline: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, not {mode!r}")
         self.store = store
-        self.mode = mode
+        self.dedupe = mode == "dedupe" if dedupe is None else dedupe
+        self.deadline = deadline
         self.verbose = verbose
         super().__init__(address, SandboxHandler)
+
+    @property
+    def mode(self) -> str:
+        """The deduplication switch under its old name (``--mode``)."""
+        return "dedupe" if self.dedupe else "nodedupe"
+
+    def describe(self) -> dict[str, Any]:
+        return {"mode": self.mode, "dedupe": self.dedupe, "deadline": self.deadline}
 
 
 class _DropResponse(Exception):
@@ -578,6 +679,8 @@ class SandboxHandler(BaseHTTPRequestHandler):
         self._dispatch("PATCH")
 
     def _dispatch(self, method: str) -> None:
+        # when it arrived, before its body is read: the clock a deadline check compares
+        self._received_at = datetime.now(UTC)
         self._raw_body = self._read_body()
         url = urlsplit(self.path)
         self._query = {k: v[-1] for k, v in parse_qs(url.query).items()}
@@ -635,7 +738,10 @@ class SandboxHandler(BaseHTTPRequestHandler):
         store = self.server.store
         if path == "/health":
             self._allow(method, "GET")
-            return Response(200, {"ok": True, "mode": self.server.mode})
+            return Response(200, {"ok": True, **self.server.describe()})
+        if path == "/mode":
+            self._allow(method, "POST")
+            return Response(200, {"ok": True, **self._set_mode()})
         if path == "/orders":
             self._allow(method, "GET")
             return Response(200, {"orders": store.list_orders()})
@@ -660,12 +766,19 @@ class SandboxHandler(BaseHTTPRequestHandler):
             return self._logged("POST", path, "other", self._post_notification)
         if path == "/requests":
             self._allow(method, "GET")
+            late = self._query.get("late")
+            if late not in (None, "0", "1"):
+                raise ApiError(400, "invalid_query", "late must be 0 or 1")
             requests = store.list_requests(
                 idempotency_key=self._query.get("idempotency_key"),
                 path=self._query.get("path"),
                 method=self._query.get("method"),
+                late=None if late is None else late == "1",
             )
             return Response(200, {"requests": requests})
+        if path == "/requests/summary":
+            self._allow(method, "GET")
+            return Response(200, store.request_summary())
         if path == "/faults":
             self._allow(method, "GET", "POST", "DELETE")
             if method == "POST":
@@ -699,9 +812,11 @@ class SandboxHandler(BaseHTTPRequestHandler):
     def _logged(
         self, method: str, path: str, kind: str, handler: Callable[[Fault], Response]
     ) -> Response:
-        """Log the request, apply its fault, run ``handler``, record the outcome."""
+        """Log the request, refuse it if it is late and deadlines are checked, apply its
+        fault, run ``handler``, record the outcome."""
         store = self.server.store
         try:
+            received = self._received()
             header_fault = Fault.from_header(self.headers.get(FAULT_HEADER))
         except ApiError as exc:
             log_id, _ = store.log_request(
@@ -710,16 +825,33 @@ class SandboxHandler(BaseHTTPRequestHandler):
                 idempotency_key=self._key_hint(),
                 header_fault=Fault(),
                 kind=kind,
+                received=Received(self._received_at.isoformat(timespec="microseconds")),
             )
             store.finish_request(log_id, applied=False, response_status=exc.status)
             raise
+        refuse = (
+            received.late and self.server.deadline and method == "POST" and path in DEADLINE_PATHS
+        )
         log_id, fault = store.log_request(
             path=path,
             method=method,
             idempotency_key=self._key_hint(),
             header_fault=header_fault,
             kind=kind,
+            received=received,
+            refused=refuse,
         )
+        if refuse:
+            store.finish_request(log_id, applied=False, response_status=409)
+            return Response(
+                409,
+                {
+                    "error": LATE_CODE,
+                    "detail": "received after its send deadline; not applied",
+                    "received_at": received.at,
+                    "send_deadline": received.send_deadline,
+                },
+            )
         if fault.kind == "5xx":
             store.finish_request(log_id, applied=False, response_status=503)
             return Response(503, {"error": "unavailable", "detail": "injected fault"})
@@ -737,6 +869,37 @@ class SandboxHandler(BaseHTTPRequestHandler):
             raise _DropResponse
         store.finish_request(log_id, applied=response.applied, response_status=response.status)
         return response
+
+    def _received(self) -> Received:
+        """When this request arrived and what its deadline headers say (ApiError for a
+        malformed send deadline)."""
+        at = self._received_at
+        fence = self.headers.get(FENCE_HEADER)
+        raw = self.headers.get(SEND_DEADLINE_HEADER)
+        if raw is None or not raw.strip():
+            return Received(at.isoformat(timespec="microseconds"), fence=fence)
+        deadline = parse_deadline(raw)
+        return Received(
+            at.isoformat(timespec="microseconds"),
+            fence=fence,
+            send_deadline=deadline.astimezone(UTC).isoformat(timespec="microseconds"),
+            late=at >= deadline,
+        )
+
+    def _set_mode(self) -> dict[str, Any]:
+        body = self._json_body()
+        unknown = sorted(set(body) - {"dedupe", "deadline"})
+        if unknown:
+            raise ApiError(400, "invalid_mode", f"unknown fields: {', '.join(unknown)}")
+        for name, value in body.items():
+            if not isinstance(value, bool):
+                raise ApiError(400, "invalid_mode", f"{name} must be true or false")
+        # plain attribute assignments: every request reads the switches once
+        if "dedupe" in body:
+            self.server.dedupe = body["dedupe"]
+        if "deadline" in body:
+            self.server.deadline = body["deadline"]
+        return self.server.describe()
 
     # -- endpoints ---------------------------------------------------------
 
@@ -757,7 +920,7 @@ class SandboxHandler(BaseHTTPRequestHandler):
             order_id=order_id,
             amount_cents=amount,
             reason=reason,
-            dedupe=self.server.mode == "dedupe",
+            dedupe=self.server.dedupe,
         )
 
     def _lookup_refunds(self, path: str) -> Response:
@@ -812,7 +975,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--host", default=DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0 picks a free port")
     parser.add_argument("--db", default=DEFAULT_DB, help="SQLite file (parent dir is created)")
-    parser.add_argument("--mode", choices=MODES, default="dedupe")
+    parser.add_argument(
+        "--mode",
+        choices=MODES,
+        default="dedupe",
+        help="key deduplication on (dedupe, the default) or off; --dedupe/--no-dedupe win",
+    )
+    parser.add_argument(
+        "--dedupe",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="deduplicate refunds by idempotency key (default: from --mode)",
+    )
+    parser.add_argument(
+        "--deadline",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="refuse a refund or notification received after its X-Agentops-Send-Deadline "
+        "(default: off)",
+    )
     parser.add_argument("--verbose", action="store_true", help="log each request to stderr")
     return parser.parse_args(argv)
 
@@ -825,7 +1006,12 @@ def main(argv: list[str] | None = None) -> int:
     store.initialize()
 
     server = SandboxServer(
-        (args.host, args.port), store=store, mode=args.mode, verbose=args.verbose
+        (args.host, args.port),
+        store=store,
+        mode=args.mode,
+        dedupe=args.dedupe,
+        deadline=args.deadline,
+        verbose=args.verbose,
     )
     stop = threading.Event()
 
@@ -840,7 +1026,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     thread.start()
     host, port = server.server_address[:2]
-    print(f"sandbox listening on http://{host}:{port} mode={args.mode}", flush=True)
+    print(
+        f"sandbox listening on http://{host}:{port} mode={server.mode} "
+        f"deadline={'on' if server.deadline else 'off'}",
+        flush=True,
+    )
     try:
         while not stop.wait(0.1):
             pass
@@ -871,6 +1061,7 @@ class SandboxProcess:
     process: subprocess.Popen[bytes]
     db_path: str
     mode: str
+    deadline: bool = False
     _log_dir: tempfile.TemporaryDirectory[str] | None = field(default=None, repr=False)
 
     def output(self) -> tuple[str, str]:
@@ -920,8 +1111,10 @@ def start_sandbox(
     *,
     host: str = DEFAULT_HOST,
     timeout: float = 10.0,
+    deadline: bool = False,
 ) -> SandboxProcess:
     """Launch ``python -m agentops.demo.sandbox`` and wait until /health answers.
+    ``mode`` is the key deduplication switch, ``deadline`` the deadline check's.
 
     ``port=None`` lets the server pick a free port itself (``--port 0``) and reads
     it back from the "listening" line, which avoids races between processes.
@@ -944,6 +1137,7 @@ def start_sandbox(
         str(db_path),
         "--mode",
         mode,
+        "--deadline" if deadline else "--no-deadline",
     ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
@@ -957,7 +1151,13 @@ def start_sandbox(
             start_new_session=True,
         )
     sandbox = SandboxProcess(
-        url="", port=0, process=process, db_path=str(db_path), mode=mode, _log_dir=log_dir
+        url="",
+        port=0,
+        process=process,
+        db_path=str(db_path),
+        mode=mode,
+        deadline=deadline,
+        _log_dir=log_dir,
     )
 
     def fail(reason: str) -> RuntimeError:

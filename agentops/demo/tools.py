@@ -3,6 +3,13 @@
 Each shows one effect class: ``lookup_order`` (read), ``refund_payment`` (reconcilable: the
 sandbox may not deduplicate, but it answers a lookup by key) and ``send_notification``
 (unsafe: neither, so an unknown outcome always goes to a person).
+
+The calls go through ``runs.toolhttp.request``: the tool's timeout bounds the whole call,
+no byte leaves after the dispatch's send deadline, and the idempotency key, the fence and
+the send deadline travel as headers. What the sandbox honours depends on how it runs, so
+the tools declare it from settings, read when they are built (``AGENTOPS_SANDBOX_HONOURS``:
+``key``, ``deadline``, both or nothing; ``AGENTOPS_SANDBOX_RESEND=person``): a declaration
+that does not match the sandbox is a configuration error (docs/agents.md).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 
+from runs import toolhttp
 from runs.registry import (
     ApprovalPolicy,
     Effect,
@@ -34,9 +42,20 @@ def _url(path: str) -> str:
     return settings.AGENTOPS["SANDBOX_URL"].rstrip("/") + path
 
 
+def _honours(what: str) -> bool:
+    return what in settings.AGENTOPS["SANDBOX_HONOURS"]
+
+
+def _call(ctx: ToolContext, method: str, path: str, **kwargs: Any) -> httpx.Response:
+    """A tool's request: within the call's budget and send deadline, with the headers a
+    downstream can check (``runs.toolhttp``)."""
+    return toolhttp.request(ctx, method, _url(path), **kwargs)
+
+
 def _request(method: str, path: str, *, timeout: float, **kwargs: Any) -> httpx.Response:
-    """Map transport trouble onto the engine's outcome classes: a timeout, a reset or a 5xx
-    is an unknown outcome (the request may have been applied); a 4xx is a definite no."""
+    """A plain bounded request, for the reconcile lookup (no dispatch, no deadline). Maps
+    transport trouble onto the engine's outcome classes: a timeout, a reset or a 5xx is an
+    unknown outcome (the request may have been applied); a 4xx is a definite no."""
     import httpx  # here: a worker that never calls the sandbox starts faster without it
 
     try:
@@ -66,7 +85,7 @@ def _json(response: httpx.Response) -> dict[str, Any]:
 
 
 def lookup_order(arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
-    response = _request("GET", f"/orders/{arguments['order_id']}", timeout=ctx.timeout)
+    response = _call(ctx, "GET", f"/orders/{arguments['order_id']}")
     return ToolResult(result=response.json())
 
 
@@ -81,7 +100,7 @@ LOOKUP_ORDER = Tool(
         "required": ["order_id"],
         "additionalProperties": False,
     },
-    timeout=5.0,
+    timeout=settings.AGENTOPS["SANDBOX_TIMEOUT"],
 )
 
 
@@ -89,10 +108,10 @@ LOOKUP_ORDER = Tool(
 
 
 def refund_payment(arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
-    response = _request(
+    response = _call(
+        ctx,
         "POST",
         "/refunds",
-        timeout=ctx.timeout,
         json={
             "idempotency_key": ctx.idempotency_key,
             "order_id": arguments["order_id"],
@@ -140,7 +159,11 @@ REFUND_PAYMENT = Tool(
     },
     sensitive_fields=("customer_email",),
     approval=ApprovalPolicy(when=_large_refund, group="approver", ttl_seconds=24 * 3600),
-    timeout=5.0,
+    timeout=settings.AGENTOPS["SANDBOX_TIMEOUT"],
+    # the sandbox deduplicates refunds by key with --dedupe, refuses late ones with --deadline
+    honours_key=_honours("key"),
+    honours_deadline=_honours("deadline"),
+    resend=settings.AGENTOPS["SANDBOX_RESEND"],
 )
 
 
@@ -148,10 +171,10 @@ REFUND_PAYMENT = Tool(
 
 
 def send_notification(arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
-    response = _request(
+    response = _call(
+        ctx,
         "POST",
         "/notifications",
-        timeout=ctx.timeout,
         json={"to": arguments["to"], "subject": arguments["subject"], "body": arguments["body"]},
     )
     body = response.json()
@@ -174,7 +197,10 @@ SEND_NOTIFICATION = Tool(
         "additionalProperties": False,
     },
     sensitive_fields=("to",),
-    timeout=5.0,
+    timeout=settings.AGENTOPS["SANDBOX_TIMEOUT"],
+    # notifications are never deduplicated; with --deadline a late one is refused
+    honours_key=False,
+    honours_deadline=_honours("deadline"),
 )
 
 ALL_TOOLS = (LOOKUP_ORDER, REFUND_PAYMENT, SEND_NOTIFICATION)

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,8 @@ def nodedupe_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Sandbo
 def dedupe(dedupe_server: SandboxProcess) -> Iterator[httpx.Client]:
     with _client(dedupe_server) as client:
         assert client.post("/reset").status_code == 200
+        # a test may have switched it at runtime (POST /mode)
+        assert client.post("/mode", json={"dedupe": True, "deadline": False}).status_code == 200
         yield client
 
 
@@ -51,6 +54,7 @@ def dedupe(dedupe_server: SandboxProcess) -> Iterator[httpx.Client]:
 def nodedupe(nodedupe_server: SandboxProcess) -> Iterator[httpx.Client]:
     with _client(nodedupe_server) as client:
         assert client.post("/reset").status_code == 200
+        assert client.post("/mode", json={"dedupe": False, "deadline": False}).status_code == 200
         yield client
 
 
@@ -84,7 +88,12 @@ def log_for(client: httpx.Client, key: str) -> list[dict[str, Any]]:
 
 
 def test_health_and_seeded_orders(dedupe: httpx.Client) -> None:
-    assert dedupe.get("/health").json() == {"ok": True, "mode": "dedupe"}
+    assert dedupe.get("/health").json() == {
+        "ok": True,
+        "mode": "dedupe",
+        "dedupe": True,
+        "deadline": False,
+    }
 
     resp = dedupe.get("/orders/ord_1004")
     assert resp.status_code == 200
@@ -427,7 +436,7 @@ def test_cli_announces_itself_and_stops_on_sigterm(tmp_path: Path) -> None:
         try:
             assert proc.stdout is not None
             line = proc.stdout.readline().strip()
-            assert line == f"sandbox listening on http://127.0.0.1:{port} mode=dedupe"
+            assert line == f"sandbox listening on http://127.0.0.1:{port} mode=dedupe deadline=off"
             assert httpx.get(f"http://127.0.0.1:{port}/health").json()["mode"] == "dedupe"
             started = time.monotonic()
             proc.send_signal(sig)
@@ -453,7 +462,169 @@ def test_start_sandbox_picks_a_port_when_none_given(tmp_path: Path) -> None:
     sandbox = start_sandbox(str(tmp_path / "s.sqlite3"))
     try:
         assert sandbox.url == f"http://127.0.0.1:{sandbox.port}"
-        assert httpx.get(f"{sandbox.url}/health").json() == {"ok": True, "mode": "nodedupe"}
+        assert httpx.get(f"{sandbox.url}/health").json() == {
+            "ok": True,
+            "mode": "nodedupe",
+            "dedupe": False,
+            "deadline": False,
+        }
     finally:
         assert sandbox.stop() == 0
     assert sandbox.process.poll() == 0
+
+
+# -- the two switches: key deduplication and deadline checking (DESIGN §9) -----------------
+
+
+def _at(seconds: float) -> str:
+    """A send deadline ``seconds`` from now (negative: already passed), as the engine sends it."""
+    return (datetime.now(UTC) + timedelta(seconds=seconds)).isoformat()
+
+
+def deadlined(client: httpx.Client, path: str, key: str, deadline: str, **body: Any):
+    headers = {
+        "Idempotency-Key": key,
+        "X-Agentops-Fence": "7",
+        "X-Agentops-Send-Deadline": deadline,
+    }
+    if path == "/refunds":
+        body = {"idempotency_key": key, "order_id": "ord_1003", "amount_cents": 500, **body}
+    else:
+        body = {"to": "a@example.com", "subject": "s", "body": "b", "idempotency_key": key}
+    return client.post(path, json=body, headers=headers)
+
+
+def test_the_switches_are_shown_and_changed_at_runtime(nodedupe: httpx.Client) -> None:
+    assert nodedupe.get("/health").json() == {
+        "ok": True,
+        "mode": "nodedupe",
+        "dedupe": False,
+        "deadline": False,
+    }
+    switched = nodedupe.post("/mode", json={"deadline": True}).json()
+    assert switched == {"ok": True, "mode": "nodedupe", "dedupe": False, "deadline": True}
+    nodedupe.post("/mode", json={"dedupe": True})
+    assert nodedupe.get("/health").json()["mode"] == "dedupe"
+    # now it deduplicates
+    assert refund(nodedupe, "switched").status_code == 201
+    assert refund(nodedupe, "switched").json()["duplicate"] is True
+    assert len(rows_for(nodedupe, "switched")) == 1
+
+    for body in ({"dedupe": "yes"}, {"other": True}, [True]):
+        resp = nodedupe.post("/mode", json=body)
+        assert resp.status_code == 400
+        assert resp.json()["error"] in ("invalid_mode", "invalid_json")
+
+
+def test_cli_switches_deduplication_and_deadlines_separately(tmp_path: Path) -> None:
+    cases = [
+        (["--mode", "nodedupe", "--deadline"], {"dedupe": False, "deadline": True}),
+        (["--no-dedupe"], {"dedupe": False, "deadline": False}),
+        (["--mode", "nodedupe", "--dedupe", "--no-deadline"], {"dedupe": True, "deadline": False}),
+    ]
+    for index, (args, expected) in enumerate(cases):
+        port = free_port()
+        cmd = [sys.executable, "-m", "agentops.demo.sandbox", "--port", str(port)]
+        cmd += ["--db", str(tmp_path / f"s{index}.sqlite3"), *args]
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline().startswith("sandbox listening on")
+            health = httpx.get(f"http://127.0.0.1:{port}/health").json()
+            assert {name: health[name] for name in expected} == expected
+        finally:
+            proc.terminate()
+            proc.wait(timeout=5)
+
+
+def test_every_request_records_its_headers_and_when_it_was_received(
+    nodedupe: httpx.Client,
+) -> None:
+    deadline = _at(30)
+    before = datetime.now(UTC)
+    assert deadlined(nodedupe, "/refunds", "hdr", deadline).status_code == 201
+    (entry,) = log_for(nodedupe, "hdr")
+    assert entry["fence"] == "7"
+    assert datetime.fromisoformat(entry["send_deadline"]) == datetime.fromisoformat(deadline)
+    assert before <= datetime.fromisoformat(entry["received_at"]) <= datetime.now(UTC)
+    assert entry["late"] is False and entry["refused"] is False and entry["applied"] is True
+    # a request without the headers (an older client) is logged as before
+    refund(nodedupe, "plain")
+    (plain,) = log_for(nodedupe, "plain")
+    assert plain["fence"] is None and plain["send_deadline"] is None and plain["late"] is False
+
+
+@pytest.mark.parametrize("path", ["/refunds", "/notifications"])
+def test_deadline_checking_on_refuses_a_late_write_without_applying_it(
+    nodedupe: httpx.Client, path: str
+) -> None:
+    nodedupe.post("/mode", json={"deadline": True})
+    resp = deadlined(nodedupe, path, "late", _at(-0.5))
+
+    assert resp.status_code == 409
+    assert resp.json()["error"] == "send_deadline_passed"
+    assert rows_for(nodedupe, "late") == []
+    assert nodedupe.get("/notifications").json()["notifications"] == []
+    (entry,) = nodedupe.get("/requests", params={"late": 1}).json()["requests"]
+    assert entry["path"] == path and entry["refused"] is True and entry["applied"] is False
+    assert entry["response_status"] == 409
+    assert nodedupe.get("/requests/summary").json() == {
+        "requests": 1,
+        "late": 1,
+        "late_applied": 0,
+        "refused": 1,
+    }
+    # one in time is applied as usual
+    assert deadlined(nodedupe, path, "in-time", _at(30)).status_code == 201
+
+
+def test_deadline_checking_off_applies_a_late_write_but_counts_it(nodedupe: httpx.Client) -> None:
+    resp = deadlined(nodedupe, "/refunds", "late", _at(-0.5))
+
+    assert resp.status_code == 201
+    assert len(rows_for(nodedupe, "late")) == 1
+    (entry,) = nodedupe.get("/requests", params={"late": "1"}).json()["requests"]
+    assert entry["late"] is True and entry["applied"] is True and entry["refused"] is False
+    assert nodedupe.get("/requests", params={"late": "0"}).json()["requests"] == []
+    summary = nodedupe.get("/requests/summary").json()
+    assert summary == {"requests": 1, "late": 1, "late_applied": 1, "refused": 0}
+
+
+def test_deadline_checking_and_deduplication_together(dedupe: httpx.Client) -> None:
+    dedupe.post("/mode", json={"deadline": True})
+    assert deadlined(dedupe, "/refunds", "both", _at(30)).status_code == 201
+    # the late repeat is refused before deduplication answers: still one refund
+    assert deadlined(dedupe, "/refunds", "both", _at(-1)).status_code == 409
+    assert deadlined(dedupe, "/refunds", "both", _at(30)).json()["duplicate"] is True
+    assert len(rows_for(dedupe, "both")) == 1
+    assert [entry["late"] for entry in log_for(dedupe, "both")] == [False, True, False]
+
+
+def test_a_malformed_send_deadline_is_a_clear_400(nodedupe: httpx.Client) -> None:
+    resp = deadlined(nodedupe, "/refunds", "bad", "tomorrow")
+    assert resp.status_code == 400
+    assert resp.json()["error"] == "invalid_send_deadline"
+    assert rows_for(nodedupe, "bad") == []
+    assert nodedupe.get("/requests", params={"late": "x"}).status_code == 400
+
+
+def test_an_older_sandbox_file_gets_the_new_columns(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "old.sqlite3"
+    conn = sqlite3.connect(db)
+    conn.execute(
+        "CREATE TABLE requests (id INTEGER PRIMARY KEY, path TEXT NOT NULL, method TEXT NOT NULL,"
+        " idempotency_key TEXT, received_at TEXT NOT NULL, applied INTEGER NOT NULL DEFAULT 0,"
+        " fault TEXT, response_status INTEGER)"
+    )
+    conn.execute(
+        "INSERT INTO requests (path, method, received_at) VALUES ('/refunds', 'POST', 'then')"
+    )
+    conn.commit()
+    conn.close()
+    with start_sandbox(str(db), mode="nodedupe") as sandbox, _client(sandbox) as client:
+        assert deadlined(client, "/refunds", "new", _at(30)).status_code == 201
+        old, new = client.get("/requests").json()["requests"]
+        assert old["late"] is False and old["fence"] is None
+        assert new["fence"] == "7"

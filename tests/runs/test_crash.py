@@ -6,8 +6,10 @@ deduplicate) has exactly one refund per idempotency key."""
 from __future__ import annotations
 
 import json
+import time
 from io import StringIO
 
+import httpx
 import pytest
 from django.core.management import call_command
 
@@ -15,7 +17,7 @@ from approvals.models import Approval
 from approvals.services import approval_decide
 from runs.actors import Actor
 from runs.faults import BOUNDARIES
-from runs.models import Run, RunEvent
+from runs.models import Run, RunEvent, ToolCall
 from runs.services import run_create
 from tests.runs.workerprocs import wait_for, worker_env
 from tests.support import event_types, events, refund_posts, refunds
@@ -31,6 +33,7 @@ CASES = {
     "decided": ("decided:2", SMALL),
     "approval_requested": ("approval_requested", LARGE),
     "dispatching": ("dispatching:2", LARGE),
+    "before_send": ("before_send", SMALL),
     "tool_call": ("tool_call:2", LARGE),
     "receipt_recorded": ("receipt_recorded:2", SMALL),
     "step_completed": ("step_completed:2", SMALL),
@@ -41,6 +44,7 @@ HELD_AT_CRASH = {
     "claimed",
     "decided",
     "dispatching",
+    "before_send",
     "tool_call",
     "receipt_recorded",
     "step_completed",
@@ -109,19 +113,104 @@ def test_a_crash_at_every_boundary_ends_with_one_refund_and_the_run_succeeding(
 
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
-def test_a_short_chaos_run_kills_at_every_boundary_and_breaks_no_invariant():
+def test_a_short_chaos_run_kills_at_every_boundary_pauses_in_every_mode_and_breaks_nothing():
     out = StringIO()
-    call_command("chaos", runs=6, random_kills=2, timeout=150, seed=20240601, workers=2, stdout=out)
+    call_command(
+        "chaos",
+        runs=6,
+        random_kills=2,
+        pauses=1,
+        timeout=300,
+        seed=20240601,
+        workers=2,
+        stdout=out,
+    )
 
     report = json.loads(out.getvalue().strip().splitlines()[-1])
     assert report["duplicate_effects"] == 0
+    assert report["duplicate_effects_by_mode"] == dict.fromkeys(
+        ["kills", "key", "deadline", "nothing", "person"], 0
+    )
     assert report["lost_runs"] == 0
     assert report["double_consumed_approvals"] == 0
-    assert report["runs"] == report["succeeded"] == 6
+    # the kill round's six, and one per pause round; the person round's paused refund
+    # waits for a person after its absent lookup instead of being sent again
+    assert report["runs"] == 6 + 4
+    assert report["parked_for_person"] == 1
+    assert report["succeeded"] == report["runs"] - 1
     assert report["boundaries_killed"] == list(BOUNDARIES)
     assert report["kills"] >= len(BOUNDARIES) + 2
     assert report["approvals"] >= 1
     assert report["max_recovery_seconds"] is not None
+    # one pause per mode, at before_send: each frozen worker held its run, and woke up to
+    # find its write refused by the fence (it sent nothing late: its own clock said no)
+    assert report["pauses"] == 4
+    assert report["pause_boundaries"] == ["before_send"]
+    assert report["zombie_writes_refused"] == 4
+    assert report["late_sends"] == 0
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("deadline_checked", [False, True], ids=["no-deadline", "deadline"])
+def test_a_worker_paused_before_sending_a_refund_never_refunds_twice(
+    deadline_checked, worker_procs, sandbox, system_actor
+):
+    """Issue 15, scenario 1: worker A commits ``dispatching`` for a refund and is frozen
+    (SIGSTOP) before its request leaves; its lease expires, worker B takes the run over,
+    waits out the landing window, finds the refund absent and sends it; then A is resumed.
+    A non-deduplicating sandbox refunds once, whether it checks deadlines or not."""
+    httpx.post(
+        f"{sandbox.url}/mode", json={"dedupe": False, "deadline": deadline_checked}, timeout=5
+    ).raise_for_status()
+    short = {
+        "AGENTOPS_SEND_WINDOW": "1",
+        "AGENTOPS_SANDBOX_TIMEOUT": "1",
+        "AGENTOPS_SANDBOX_HONOURS": "deadline" if deadline_checked else "",
+    }
+    run = run_create(agent_name="refund", input=SMALL, actor=system_actor)
+
+    paused = worker_procs.start(
+        "pause-a", worker_env(sandbox, AGENTOPS_PAUSE_AT="before_send", **short)
+    )
+    wait_for(
+        lambda: paused.frozen() and "freezing process group at before_send" in paused.output(),
+        30,
+        what="worker A to freeze before sending",
+    )
+    assert refund_posts(sandbox) == []  # the request did not leave
+    dispatch = ToolCall.objects.get(run=run, tool_name="refund_payment")
+    assert dispatch.dispatch_incarnation == 1 and dispatch.send_deadline is not None
+
+    taking_over = worker_procs.start("pause-b", worker_env(sandbox, **short))
+    wait_for(
+        lambda: Run.objects.get(id=run.id).status in Run.TERMINAL, 40, what="B to finish the run"
+    )
+    run.refresh_from_db()
+    assert run.status == Run.Status.SUCCEEDED, (run.reason_code, run.reason_detail)
+    assert run.fence >= 2  # B's incarnation
+    assert any(e.payload["recovered"] for e in events(run.id, "run.claimed"))
+
+    paused.resume()
+    wait_for(
+        lambda: "stopping this incarnation" in paused.output(),
+        15,
+        what="A to find its lease lost",
+    )
+    time.sleep(0.5)  # whatever A would still send has arrived by now
+    assert paused.alive and taking_over.alive
+
+    key = f"{run.id}:2"
+    assert [refund["idempotency_key"] for refund in refunds(sandbox)] == [key]
+    posts = refund_posts(sandbox)
+    assert all(post["idempotency_key"] == key for post in posts)
+    applied = [post for post in posts if post["applied"]]
+    assert len(applied) == 1 and not applied[0]["late"]
+    # A checked its own clock before writing a byte, so nothing late left it (a late one
+    # would be counted, and refused by a sandbox checking deadlines: tests/demo)
+    assert [post for post in posts if post["late"]] == []
+    lost = events(run.id, "run.lease_lost")
+    assert [(e.payload["worker"], e.payload["lost_fence"]) for e in lost] == [("pause-a", 1)]
 
 
 @pytest.mark.slow
@@ -183,6 +272,8 @@ def test_chaos_refuses_database_faults_on_sqlite():
         (["--workers", "0"], "--workers must be between 1 and 16"),
         (["--timeout", "0"], "--timeout must be a positive number"),
         (["--boundaries", "claimed,nowhere"], "unknown boundary 'nowhere'"),
+        (["--pauses", "-1"], "--pauses must be between 0 and 100"),
+        (["--sandbox-modes", "key,sometimes"], "--sandbox-modes: expected .* not 'sometimes'"),
     ],
 )
 def test_chaos_refuses_bad_options_with_one_line(arguments, message):

@@ -140,6 +140,15 @@ def test_a_malformed_crash_spec_is_a_one_line_error(value):
     assert line.startswith("CommandError: AGENTOPS_CRASH_AT=")
 
 
+@pytest.mark.parametrize("value", ["nowhere", "before_send:0", "dispatching:x", "claimed:-1"])
+def test_a_malformed_pause_spec_is_a_one_line_error(value):
+    result = _manage(worker_env(AGENTOPS_PAUSE_AT=value), "runworker", "--name", "bad-pause")
+
+    assert result.returncode != 0
+    line = one_line(result.stderr + result.stdout)
+    assert line.startswith("CommandError: AGENTOPS_PAUSE_AT=")
+
+
 def test_an_unreachable_database_is_a_one_line_error():
     url = f"postgres://postgres@127.0.0.1:{free_port()}/nowhere"
     env = worker_env(DATABASE_URL=url, AGENTOPS_STARTUP_DB_WAIT="0")

@@ -25,6 +25,7 @@ def worker_env(sandbox: Any = None, **overrides: str) -> dict[str, str]:
     at the test database: pytest-django renamed it in the live settings only."""
     env = dict(os.environ)
     env.pop("AGENTOPS_CRASH_AT", None)
+    env.pop("AGENTOPS_PAUSE_AT", None)
     env.update(
         {
             "DJANGO_SETTINGS_MODULE": "tests.settings",
@@ -88,6 +89,18 @@ class WorkerProcess:
         except ProcessLookupError:
             return False
         return True
+
+    def frozen(self) -> bool:
+        """The main process is stopped (SIGSTOP, e.g. by AGENTOPS_PAUSE_AT)."""
+        try:
+            stat = Path(f"/proc/{self.pid}/stat").read_text()
+        except OSError:
+            return False
+        return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+
+    def resume(self) -> None:
+        """SIGCONT to the whole process group, as whoever froze it would."""
+        os.killpg(self.pid, signal.SIGCONT)
 
     def kill_group(self) -> None:
         with suppress(ProcessLookupError):

@@ -12,6 +12,19 @@ prints one JSON object as its last line. Exit status 1 when an invariant fails.
 A kill counts in ``boundaries_killed`` only when it is proven: the worker died of SIGKILL
 (return code -9) at that boundary, and a run it held then shows a ``run.claimed`` event with
 ``recovered: true``.
+
+With ``--pauses N`` (DESIGN §9) it then freezes workers instead of killing them, in one
+round per sandbox mode (``--sandbox-modes``: the sandbox deduplicating by key; checking send
+deadlines; honouring nothing; honouring nothing with the refund tool's ``resend: person``),
+the workers started with the matching declaration (``AGENTOPS_SANDBOX_HONOURS``,
+``AGENTOPS_SANDBOX_RESEND``). Each round pauses N times: at ``before_send`` and
+``dispatching`` first, then alternately at a random moment (SIGSTOP of a worker's process
+group) and at the next boundary in turn (a worker started with ``AGENTOPS_PAUSE_AT`` freezes
+its own group there). A pause lasts longer than the lease TTL + the landing window, so
+another worker takes the run over and, where it must, sends again; then the frozen worker
+is resumed (SIGCONT) and runs on: each write of it the fence refuses is a
+``zombie_writes_refused`` (its "stopping this incarnation" log lines, i.e. ``run.lease_lost``).
+``late_sends`` counts the requests the sandbox received after their send deadline.
 """
 
 from __future__ import annotations
@@ -58,6 +71,9 @@ WORKER_DEFAULTS = {
     "AGENTOPS_Q_WORKERS": "4",
     "AGENTOPS_SLICE_SECONDS": "20",
     "AGENTOPS_MAX_RECOVERIES": "1000",
+    # short send window and tool timeout: a pause must outlast TTL + the landing window
+    "AGENTOPS_SEND_WINDOW": "1",
+    "AGENTOPS_SANDBOX_TIMEOUT": "2",
     "LOG_LEVEL": "WARNING",
 }
 
@@ -79,6 +95,47 @@ KILL_ORDER = (
 )
 NEEDS_COMPANY = ("approval_requested", "decided", "run_finished")
 assert sorted(KILL_ORDER) == sorted(BOUNDARIES)
+
+# --pauses: each round's first pauses, then (alternating with random ones) the others in
+# turn, continued from round to round
+PAUSE_FIRST = ("before_send", "dispatching")
+PAUSE_CYCLE = (
+    "tool_call",
+    "claimed",
+    "decided",
+    "receipt_recorded",
+    "step_completed",
+    "approval_requested",
+    "run_finished",
+)
+assert sorted(PAUSE_FIRST + PAUSE_CYCLE) == sorted(BOUNDARIES)
+# boundary -> (AGENTOPS_PAUSE_AT, a large refund?) for a fresh run that the pausing worker
+# advances alone: ":2" picks the refund's step (the lookup is the first), and a large refund
+# also passes the approval gate (as tests/runs/test_crash.py)
+PAUSE_SPECS = {
+    "claimed": ("claimed", False),
+    "decided": ("decided:2", False),
+    "approval_requested": ("approval_requested", True),
+    "dispatching": ("dispatching:2", True),
+    "before_send": ("before_send", False),
+    "tool_call": ("tool_call:2", True),
+    "receipt_recorded": ("receipt_recorded:2", False),
+    "step_completed": ("step_completed:2", False),
+    "run_finished": ("run_finished", False),
+}
+assert sorted(PAUSE_SPECS) == sorted(BOUNDARIES)
+# what the sandbox honours in each pause round: its switches, and the workers' declaration
+SANDBOX_MODES: dict[str, dict[str, Any]] = {
+    "key": {"dedupe": True, "deadline": False, "honours": "key", "resend": "auto"},
+    "deadline": {"dedupe": False, "deadline": True, "honours": "deadline", "resend": "auto"},
+    "nothing": {"dedupe": False, "deadline": False, "honours": "", "resend": "auto"},
+    "person": {"dedupe": False, "deadline": False, "honours": "", "resend": "person"},
+}
+KILL_ROUND = "kills"  # the kill round's sandbox honours nothing, as "nothing"
+# a resumed worker's log line for each write the fence refused (runs/engine/loop.py)
+LEASE_LOST_LINE = "stopping this incarnation"
+# after SIGCONT, a frozen worker runs on this long at most before it is stopped
+RUN_ON_SECONDS = 4.0
 
 APPROVER_USERNAME = "chaos-approver"
 WORKER_APP = "agentops-chaos-worker"
@@ -137,6 +194,17 @@ class Kill:
 
 
 @dataclass
+class Pause:
+    worker: str
+    boundary: str | None  # None: a pause at a random moment
+    mode: str
+    at: datetime
+    affected: list[Any]
+    seconds: float = 0.0
+    refused: int = 0  # the resumed worker's writes the fence refused
+
+
+@dataclass
 class Options:
     runs: int
     random_kills: int
@@ -146,6 +214,19 @@ class Options:
     seed: int
     db_faults: bool = False
     pg_restart_cmd: str = ""
+    pauses: int = 0
+    sandbox_modes: list[str] = field(default_factory=lambda: list(SANDBOX_MODES))
+
+
+def parse_sandbox_modes(value: str) -> list[str]:
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SANDBOX_MODES]
+    if not names or unknown:
+        raise CommandError(
+            f"--sandbox-modes: expected a comma-separated list of {', '.join(SANDBOX_MODES)}"
+            + (f", not {unknown[0]!r}" if unknown else "")
+        )
+    return list(dict.fromkeys(names))
 
 
 def parse_boundaries(value: str) -> list[str]:
@@ -237,7 +318,8 @@ def plan_refunds(count: int, rng: random.Random) -> list[dict[str, Any]]:
 class Command(BaseCommand):
     help = (
         "Crash harness: real workers SIGKILLed at every checkpoint boundary and at random "
-        "moments; checks that no refund happened twice, no run was lost and no approval was "
+        "moments, and (--pauses) frozen past their lease and resumed, against the sandbox in "
+        "each mode; checks that no refund happened twice, no run was lost and no approval was "
         "used twice. Prints a JSON summary as its last line; exit status 1 on a violation."
     )
 
@@ -253,7 +335,20 @@ class Command(BaseCommand):
         )
         parser.add_argument("--workers", type=int, default=2, help="worker processes (default 2)")
         parser.add_argument(
-            "--timeout", type=float, default=300.0, help="give up after this many seconds"
+            "--pauses",
+            type=int,
+            default=0,
+            help="per sandbox mode: freeze a worker (SIGSTOP) this many times for longer than "
+            "lease TTL + landing window, then resume it (default 0)",
+        )
+        parser.add_argument(
+            "--sandbox-modes",
+            default=",".join(SANDBOX_MODES),
+            help="with --pauses: the rounds, a comma-separated list of "
+            f"{', '.join(SANDBOX_MODES)} (default: all)",
+        )
+        parser.add_argument(
+            "--timeout", type=float, default=900.0, help="give up after this many seconds"
         )
         parser.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
         parser.add_argument(
@@ -331,6 +426,9 @@ class Command(BaseCommand):
             raise CommandError(f"--workers must be between 1 and 16, not {workers}")
         if not timeout > 0:
             raise CommandError(f"--timeout must be a positive number of seconds, not {timeout}")
+        pauses = options["pauses"]
+        if not 0 <= pauses <= 100:
+            raise CommandError(f"--pauses must be between 0 and 100, not {pauses}")
         seed = options["seed"] if options["seed"] is not None else random.randrange(1 << 30)
         db_faults, pg_restart_cmd = options["db_faults"], options["pg_restart_cmd"].strip()
         if pg_restart_cmd and not db_faults:
@@ -348,6 +446,8 @@ class Command(BaseCommand):
             seed=seed,
             db_faults=db_faults,
             pg_restart_cmd=pg_restart_cmd,
+            pauses=pauses,
+            sandbox_modes=parse_sandbox_modes(options["sandbox_modes"]),
         )
 
     def _check_database(self) -> None:
@@ -415,6 +515,18 @@ class Harness:
         self.pg_restarts = 0
         self.workers_restarted = 0  # ordinary workers that exited on their own: a failure
         self.pg_restart_due = False
+        # rounds (DESIGN §9): the sandbox mode each run was made in, and what each round's
+        # sandbox received after its send deadline
+        self.mode = KILL_ROUND
+        self.run_mode: dict[str, str] = {}
+        self.late_requests: list[dict[str, Any]] = []
+        self.pauses: list[Pause] = []
+        self.pausers: list[WorkerProcess] = []  # frozen and resumed workers, never restarted
+        self.pause_cycle = 0
+        self.unpaused: list[str] = []
+        self.remaining_cents: dict[str, int] = {}
+        self.plans: list[dict[str, Any]] = []
+        self.held_back = 0
 
     # --- setup ------------------------------------------------------------------------------
 
@@ -428,18 +540,56 @@ class Harness:
             f"seed {opts.seed}; sandbox (nodedupe) at {self.sandbox.url}; database "
             f"{connection.vendor}; {opts.workers} workers; logs in {self.tmp}"
         )
-        self._sandbox("POST", "/faults", json={"latency_ms": REFUND_LATENCY_MS})
         self.approver = self._approver()
-        self._plan_runs()
         try:
-            self._boundary_phase()
-            self._random_phase()
-            self._drain()
+            if opts.random_kills or opts.boundaries or not opts.pauses:
+                self._begin_round(KILL_ROUND)
+                self._plan_runs()
+                self._boundary_phase()
+                self._random_phase()
+                self._drain()
+                self._end_round()
+            if opts.pauses:
+                self.out(f"pauses of {self.pause_seconds():.1f}s (lease TTL + landing window + 1s)")
+                for mode in opts.sandbox_modes:
+                    self._begin_round(mode)
+                    self._pause_phase()
+                    self._drain()
+                    self._end_round()
         except _Timeout:
             self.timed_out = True
             self.notes.append(f"timed out after {self.opts.timeout:.0f}s")
-        # the sandbox's own record of what really happened, read before it stops
-        self.refunds = self._sandbox("GET", "/refunds/all")["refunds"]
+            self._end_round()
+
+    # --- rounds: one sandbox mode each --------------------------------------------------------
+
+    def _begin_round(self, mode: str) -> None:
+        """A fresh sandbox ledger in the round's mode, and workers that declare it."""
+        self.mode = mode
+        switches = SANDBOX_MODES.get(mode, SANDBOX_MODES["nothing"])
+        self._sandbox("POST", "/reset")
+        self._sandbox(
+            "POST", "/mode", json={"dedupe": switches["dedupe"], "deadline": switches["deadline"]}
+        )
+        self._sandbox("POST", "/faults", json={"latency_ms": REFUND_LATENCY_MS})
+        from agentops.demo.sandbox import SEED_ORDERS
+
+        self.remaining_cents = {order_id: amount for order_id, _, amount in SEED_ORDERS}
+        self.out(
+            f"round {mode}: sandbox {switches['dedupe'] and 'dedupe' or 'nodedupe'}, "
+            f"deadline {'on' if switches['deadline'] else 'off'}; tools declare honours "
+            f"{switches['honours'] or 'nothing'}, resend {switches['resend']}"
+        )
+
+    def _end_round(self) -> None:
+        """Every worker stopped first (a resumed one must not send into the next round);
+        then the sandbox's own record of what really happened in this round."""
+        for worker in list(self.workers.values()) + self.pausers:
+            self._stop(worker)
+        self.workers.clear()
+        self.refunds.extend(self._sandbox("GET", "/refunds/all")["refunds"])
+        late = self._sandbox("GET", "/requests", params={"late": "1"})["requests"]
+        self.late_requests.extend({**request, "mode": self.mode} for request in late)
 
     def _sandbox(self, method: str, path: str, **kwargs) -> Any:
         response = httpx.request(method, self.sandbox.url + path, timeout=10, **kwargs)
@@ -487,27 +637,43 @@ class Harness:
         self._create_runs(opts.runs - held_back)
 
     def _create_runs(self, count: int) -> None:
+        start = len([run_id for run_id in self.run_ids if self.run_mode[str(run_id)] == KILL_ROUND])
+        for index in range(start, min(start + count, len(self.plans))):
+            self._create_run(self.plans[index], f"refund {index + 1}")
+
+    def _create_run(self, plan: dict[str, Any], label: str) -> Any:
         from runs.actors import Actor
         from runs.services import run_create
 
-        actor = Actor.system("cli")
-        start = len(self.run_ids)
-        for index in range(start, min(start + count, len(self.plans))):
-            plan = self.plans[index]
-            run = run_create(
-                agent_name="refund",
-                goal=f"{self.tag} refund {index + 1}: {plan['order_id']}",
-                input=plan,
-                actor=actor,
-            )
-            self.run_ids.append(run.id)
+        run = run_create(
+            agent_name="refund",
+            goal=f"{self.tag} {self.mode} {label}: {plan['order_id']}",
+            input=plan,
+            actor=Actor.system("cli"),
+        )
+        self.run_ids.append(run.id)
+        self.run_mode[str(run.id)] = self.mode
+        return run.id
+
+    def _pause_plan(self, *, large: bool) -> dict[str, Any]:
+        """One refund the round's orders can still fund: large ones need an approval."""
+        remaining = self.remaining_cents
+        order_id = max(remaining, key=lambda o: remaining[o])
+        if large:
+            amount = REFUND_THRESHOLD_CENTS + 1 + self.rng.randrange(2_000)
+        else:
+            order_id = self.rng.choice(sorted(remaining, key=lambda o: -remaining[o])[:5])
+            amount = 100 + self.rng.randrange(400)
+        if amount > remaining[order_id]:
+            raise RuntimeError("the sandbox's orders cannot fund so many pauses in one round")
+        remaining[order_id] -= amount
+        kind = "large" if large else "small"
+        return {"order_id": order_id, "amount_cents": amount, "reason": f"chaos {kind} refund"}
 
     # --- workers ----------------------------------------------------------------------------
 
-    def _worker_env(self, crash_at: str | None) -> dict[str, str]:
-        env = dict(os.environ)
-        for key, value in WORKER_DEFAULTS.items():
-            env.setdefault(key, value)
+    def _worker_env(self, crash_at: str | None, pause_at: str | None = None) -> dict[str, str]:
+        env = self._base_env()
         env.update(
             {
                 "DATABASE_URL": self._worker_db_url(),
@@ -518,11 +684,38 @@ class Harness:
                 "PYTHONUNBUFFERED": "1",
             }
         )
+        # the workers declare what this round's sandbox honours (agentops/demo/tools.py)
+        switches = SANDBOX_MODES.get(self.mode, SANDBOX_MODES["nothing"])
+        env["AGENTOPS_SANDBOX_HONOURS"] = switches["honours"]
+        env["AGENTOPS_SANDBOX_RESEND"] = switches["resend"]
         env.pop("AGENTOPS_CRASH_AT", None)
+        env.pop("AGENTOPS_PAUSE_AT", None)
         if crash_at:
             env["AGENTOPS_CRASH_AT"] = crash_at
             env["AGENTOPS_Q_WORKERS"] = "4" if crash_at in NEEDS_COMPANY else "1"
+        if pause_at:
+            env["AGENTOPS_PAUSE_AT"] = pause_at
+            env["AGENTOPS_Q_WORKERS"] = "1"
         return env
+
+    def _base_env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        for key, value in WORKER_DEFAULTS.items():
+            env.setdefault(key, value)
+        return env
+
+    def pause_seconds(self) -> float:
+        """Longer than the lease TTL + the landing window (send window + the refund tool's
+        timeout + the margin), in the workers' settings: by then another worker has taken
+        the run over and, where it must, sent again."""
+        env = self._base_env()
+        ttl = float(env["AGENTOPS_LEASE_TTL"])
+        landing = (
+            min(float(env["AGENTOPS_SEND_WINDOW"]), ttl)
+            + float(env["AGENTOPS_SANDBOX_TIMEOUT"])
+            + float(env["AGENTOPS_REDISPATCH_MARGIN"])
+        )
+        return ttl + landing + 1.0
 
     def _worker_db_url(self) -> str:
         """On PostgreSQL the workers' connections carry an application_name, so the database
@@ -531,23 +724,33 @@ class Harness:
             return self.db_url
         return f"{self.db_url}{'&' if '?' in self.db_url else '?'}application_name={WORKER_APP}"
 
-    def _start(self, slot: int, crash_at: str | None = None) -> WorkerProcess:
+    def _start(
+        self,
+        slot: int,
+        crash_at: str | None = None,
+        *,
+        pause_at: str | None = None,
+        name: str = "",
+    ) -> WorkerProcess:
         self.incarnations[slot] += 1
-        name = f"{self.tag}-w{slot}"
-        log_path = self.tmp / f"w{slot}.{self.incarnations[slot]}.log"
+        name = name or f"{self.tag}-w{slot}"
+        log_path = self.tmp / f"{name.removeprefix(self.tag + '-')}.{self.incarnations[slot]}.log"
         with open(log_path, "wb") as log:
             process = subprocess.Popen(
                 [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "runworker"]
                 + ["--name", name],
                 cwd=settings.BASE_DIR,
-                env=self._worker_env(crash_at),
+                env=self._worker_env(crash_at, pause_at),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # its own process group: we kill the whole group
             )
         worker = WorkerProcess(slot, name, crash_at, process, log_path)
-        self.workers[slot] = worker
+        if name == f"{self.tag}-w{slot}":
+            self.workers[slot] = worker
+        else:
+            self.pausers.append(worker)
         return worker
 
     def _affected(self, name: str) -> list[Any]:
@@ -579,6 +782,8 @@ class Harness:
 
     def _stop(self, worker: WorkerProcess, grace: float = 15.0) -> None:
         """SIGTERM to the main process only (django-q2 hangs on a group SIGTERM)."""
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(worker.process.pid, signal.SIGCONT)  # a frozen one cannot stop
         if worker.alive:
             with suppress(ProcessLookupError):
                 worker.process.send_signal(signal.SIGTERM)
@@ -691,9 +896,24 @@ class Harness:
                 )
 
     def _all_terminal(self) -> bool:
+        """Every run is terminal — or, made in the ``person`` round, parked for a person."""
         from runs.models import Run
 
-        return not Run.objects.filter(id__in=self.run_ids).exclude(status__in=Run.TERMINAL).exists()
+        open_runs = Run.objects.filter(id__in=self.run_ids).exclude(status__in=Run.TERMINAL)
+        return not any(
+            not self._parked_for_person(run_id, status, reason)
+            for run_id, status, reason in open_runs.values_list("id", "status", "reason_code")
+        )
+
+    def _parked_for_person(self, run_id: Any, status: str, reason: str) -> bool:
+        """``resend: person``: an absent lookup goes to an operator, not lost (DESIGN §9)."""
+        from runs.models import Run
+
+        return (
+            self.run_mode.get(str(run_id)) == "person"
+            and status == Run.Status.NEEDS_ATTENTION
+            and reason == Run.Reason.UNKNOWN_OUTCOME
+        )
 
     # --- phases ---------------------------------------------------------------------------------
 
@@ -767,6 +987,120 @@ class Harness:
             )
             self._start(slot)
 
+    # --- pauses (DESIGN §9) -----------------------------------------------------------------
+
+    def _pause_phase(self) -> None:
+        for number in range(self.opts.pauses):
+            if number < len(PAUSE_FIRST):
+                boundary: str | None = PAUSE_FIRST[number]
+            elif (number - len(PAUSE_FIRST)) % 2 == 0:
+                boundary = None
+            else:
+                boundary = PAUSE_CYCLE[self.pause_cycle % len(PAUSE_CYCLE)]
+                self.pause_cycle += 1
+            name = f"{self.tag}-p{len(self.pauses) + len(self.unpaused) + 1}"
+            pause = self._pause_at(boundary, name) if boundary else self._pause_randomly(name)
+            if pause is None:
+                continue
+            self.out(
+                f"{self.mode} pause {number + 1}/{self.opts.pauses} "
+                f"({pause.boundary or 'random'}): {name} frozen {pause.seconds:.1f}s holding "
+                f"{len(pause.affected)} run(s); {pause.refused} write(s) refused after SIGCONT"
+            )
+
+    def _pause_at(self, boundary: str, name: str) -> Pause | None:
+        """A fresh run that a worker started with AGENTOPS_PAUSE_AT advances alone until it
+        freezes itself at ``boundary``; then the ordinary workers take over."""
+        self._settle()
+        for worker in list(self.workers.values()):
+            self._stop(worker)
+        self.workers.clear()
+        spec, large = PAUSE_SPECS[boundary]
+        self._create_run(self._pause_plan(large=large), f"pause at {boundary}")
+        pauser = self._start(0, pause_at=spec, name=name)
+        end = time.monotonic() + ATTEMPT_SECONDS
+        while not (_frozen(pauser) and f"freezing process group at {boundary}" in pauser.log()):
+            if not pauser.alive or time.monotonic() > end:
+                self._stop(pauser)
+                self.unpaused.append(boundary)
+                self.notes.append(f"{name} did not freeze at {boundary}")
+                self.keep_logs = True
+                self.out(f"{name} did not freeze at {boundary}:\n{pauser.log_tail()}")
+                self._start_workers()
+                return None
+            self._tick()
+            time.sleep(POLL)
+        pause = self._frozen_pause(pauser, boundary)
+        self._start_workers()
+        return self._resume(pauser, pause)
+
+    def _pause_randomly(self, name: str) -> Pause:
+        """An ordinary worker frozen at a random moment of its work on fresh runs (with one
+        worker, a second one is started to be frozen, so that someone can take over)."""
+        self._start_workers()
+        for _ in range(3):
+            self._create_run(self._pause_plan(large=False), "random pause")
+        if self.opts.workers > 1:
+            victim = self.workers[self.rng.choice(sorted(self.workers))]
+        else:
+            victim = self._start(0, name=name)
+            end = time.monotonic() + ATTEMPT_SECONDS
+            while f"worker {name} running" not in victim.log() and time.monotonic() < end:
+                self._tick()
+                time.sleep(POLL)
+        self._sleep(self.rng.uniform(0.2, 1.5))
+        offset = len(victim.log())
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(victim.process.pid, signal.SIGSTOP)
+        pause = self._frozen_pause(victim, None)
+        return self._resume(victim, pause, since=offset, stop=victim in self.pausers)
+
+    def _frozen_pause(self, pauser: WorkerProcess, boundary: str | None) -> Pause:
+        pause = Pause(
+            worker=pauser.name,
+            boundary=boundary,
+            mode=self.mode,
+            at=datetime.now(UTC),
+            affected=self._affected(pauser.name),
+        )
+        self.pauses.append(pause)
+        return pause
+
+    def _resume(
+        self, pauser: WorkerProcess, pause: Pause, *, since: int = 0, stop: bool = True
+    ) -> Pause:
+        """Frozen past the lease and the landing window, resumed, and left to run on until
+        the fence refused its writes (or a few seconds, when it held nothing). Its log
+        from ``since`` on says what was refused; ``stop``: then it is stopped."""
+        started = time.monotonic()
+        self._sleep(self.pause_seconds())
+        with suppress(ProcessLookupError, PermissionError):
+            os.killpg(pauser.process.pid, signal.SIGCONT)
+        pause.seconds = time.monotonic() - started
+        end = time.monotonic() + (RUN_ON_SECONDS if pause.affected else 1.0)
+        while time.monotonic() < end and pauser.alive:
+            refused = pauser.log()[since:].count(LEASE_LOST_LINE)
+            if pause.affected and refused >= len(pause.affected):
+                break
+            self._tick()
+            time.sleep(POLL)
+        if stop:
+            self._stop(pauser)
+        pause.refused = pauser.log()[since:].count(LEASE_LOST_LINE)
+        return pause
+
+    def _start_workers(self) -> None:
+        for slot in range(self.opts.workers):
+            if slot not in self.workers or not self.workers[slot].alive:
+                self._start(slot)
+
+    def _settle(self) -> None:
+        """Until the round's runs so far are done (with the ordinary workers running)."""
+        if not self._all_terminal():
+            self._start_workers()
+        while not self._all_terminal():
+            self._sleep(0.1)
+
     def _drain(self) -> None:
         self._create_runs(len(self.plans))
         if self.opts.db_faults:
@@ -826,9 +1160,35 @@ class Harness:
             run_key = refund["idempotency_key"].rsplit(":", 1)[0]
             keys_per_run.setdefault(run_key, set()).add(refund["idempotency_key"])
             rows_per_run[run_key] += 1
-        duplicate_effects = sum(1 for count in per_key.values() if count > 1) + sum(
+        duplicated = {key.rsplit(":", 1)[0] for key, count in per_key.items() if count > 1}
+        duplicate_effects = len([key for key, count in per_key.items() if count > 1]) + sum(
             1 for run_id in runs if len(keys_per_run.get(run_id, ())) > 1
         )
+        duplicated |= {run_id for run_id in runs if len(keys_per_run.get(run_id, ())) > 1}
+        modes = (
+            [KILL_ROUND]
+            if any(self.run_mode.get(run_id, KILL_ROUND) == KILL_ROUND for run_id in runs)
+            else []
+        )
+        modes += [mode for mode in self.opts.sandbox_modes if self.opts.pauses]
+        duplicates_by_mode = {
+            mode: sum(1 for run_id in duplicated if self.run_mode.get(run_id, KILL_ROUND) == mode)
+            for mode in modes
+        }
+        # DESIGN §9: what remains with a downstream that honours nothing is a pause between
+        # the pre-send check and the request's last byte: a duplicate there is reported, not
+        # a broken invariant; anywhere else it is
+        before_send = {
+            str(run_id)
+            for pause in self.pauses
+            if pause.boundary == "before_send" and pause.mode == "nothing"
+            for run_id in pause.affected
+        }
+        unexplained = [
+            run_id
+            for run_id in duplicated
+            if not (self.run_mode.get(run_id) == "nothing" and run_id in before_send)
+        ]
 
         refund_receipts = set(
             ToolReceipt.objects.filter(
@@ -839,8 +1199,11 @@ class Harness:
         )
         refund_receipts = {str(run_id) for run_id in refund_receipts}
         lost = []
+        parked_for_person = 0
         for run_id, run in runs.items():
-            if run.status not in Run.TERMINAL:
+            if self._parked_for_person(run_id, run.status, run.reason_code):
+                parked_for_person += 1
+            elif run.status not in Run.TERMINAL:
                 lost.append((run_id, f"still {run.status} {run.reason_code}".strip()))
             elif run.status == Run.Status.SUCCEEDED and (
                 run_id not in refund_receipts
@@ -893,6 +1256,17 @@ class Harness:
             "approvals": approvals,
             "refunds": len(refunds),
             "unknown_outcomes": len(unknown_keys),
+            "pauses": len(self.pauses),
+            "pause_boundaries": [
+                name for name in BOUNDARIES if any(p.boundary == name for p in self.pauses)
+            ],
+            "random_pauses": sum(1 for pause in self.pauses if pause.boundary is None),
+            "zombie_writes_refused": sum(pause.refused for pause in self.pauses),
+            "late_sends": len(self.late_requests),
+            "late_sends_applied": sum(1 for r in self.late_requests if r["applied"]),
+            "late_sends_refused": sum(1 for r in self.late_requests if r["refused"]),
+            "duplicate_effects_by_mode": duplicates_by_mode,
+            "parked_for_person": parked_for_person,
             "db_connections_terminated": self.connections_terminated,
             "pg_restarts": self.pg_restarts,
             "workers_restarted": self.workers_restarted,
@@ -901,8 +1275,24 @@ class Harness:
             "elapsed_seconds": round(time.monotonic() - self.started, 1),
         }
         problems = []
-        if duplicate_effects:
+        if unexplained:
             problems.append(f"{duplicate_effects} duplicate side effect(s)")
+        elif duplicate_effects:
+            self.out(
+                f"{duplicate_effects} duplicate side effect(s), all in the 'nothing' round on "
+                "runs paused at before_send: what remains with a downstream that honours "
+                "neither key nor deadline (docs/agents.md)"
+            )
+        late_unrefused = [
+            r for r in self.late_requests if r["mode"] == "deadline" and not r["refused"]
+        ]
+        if late_unrefused:
+            problems.append(
+                f"{len(late_unrefused)} late send(s) applied by a sandbox checking deadlines"
+            )
+        missing_pauses = sorted(set(self.unpaused))
+        if missing_pauses:
+            self.out(f"could not pause at: {', '.join(missing_pauses)}")
         if lost:
             problems.append(
                 f"{len(lost)} lost run(s): "
@@ -935,14 +1325,17 @@ class Harness:
     def cleanup(self) -> None:
         """Stop every child: SIGTERM to each worker's main process, then SIGKILL whatever of
         its group is left; then the sandbox. Runs on every exit path, Ctrl-C included."""
-        for worker in self.workers.values():
+        workers = list(self.workers.values()) + self.pausers
+        for worker in workers:
             if worker.alive:
+                with suppress(ProcessLookupError, PermissionError):
+                    os.killpg(worker.process.pid, signal.SIGCONT)  # a frozen one cannot stop
                 with suppress(ProcessLookupError):
                     worker.process.send_signal(signal.SIGTERM)
         end = time.monotonic() + 10
-        while any(w.alive for w in self.workers.values()) and time.monotonic() < end:
+        while any(w.alive for w in workers) and time.monotonic() < end:
             time.sleep(POLL)
-        for worker in self.workers.values():
+        for worker in workers:
             with suppress(ProcessLookupError, PermissionError):
                 os.killpg(worker.process.pid, signal.SIGKILL)
             worker.process.wait()
@@ -954,3 +1347,12 @@ class Harness:
 
 class _Timeout(Exception):
     pass
+
+
+def _frozen(worker: WorkerProcess) -> bool:
+    """The worker's main process is stopped (SIGSTOP): state T in /proc."""
+    try:
+        stat = Path(f"/proc/{worker.process.pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
