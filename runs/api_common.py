@@ -225,6 +225,10 @@ class ErrorSerializer(serializers.Serializer):
     send_deadline = serializers.DateTimeField(
         required=False, help_text="send_deadline_passed: the dispatch's send deadline."
     )
+    wait_seconds = serializers.FloatField(
+        required=False,
+        help_text="dispatch_too_early: seconds from now until resend_after, by the server's clock.",
+    )
     latest_lookup = serializers.IntegerField(
         required=False, help_text="lookup_superseded: the latest lookup begun (report that one)."
     )

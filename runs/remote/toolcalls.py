@@ -76,9 +76,10 @@ class ReconcileRequired(InvalidState):
 class DispatchTooEarly(InvalidState):
     code = "dispatch_too_early"
 
-    def __init__(self, message: str, *, resend_after: datetime):
+    def __init__(self, message: str, *, resend_after: datetime, wait_seconds: float):
         super().__init__(message)
-        self.extra = {"resend_after": resend_after}
+        # how long that is from now by the database's clock (a client's clock may be off)
+        self.extra = {"resend_after": resend_after, "wait_seconds": round(wait_seconds, 3)}
 
 
 @dataclass(frozen=True)
@@ -261,11 +262,13 @@ def _check_redispatch(lease: RemoteLease, call: ToolCall, tool: Tool) -> None:
             f"{call.tool_name} has no lookup by key and its downstream does not deduplicate: "
             "a person resolves the unknown outcome (POST /tool-calls/{id}/resolution/)"
         )
-    if db_now() < landing:
+    now = db_now()
+    if now < landing:
         raise DispatchTooEarly(
             f"the original request may still land until {landing.isoformat()}; dispatch "
             "again after that",
             resend_after=landing,
+            wait_seconds=(landing - now).total_seconds(),
         )
 
 
