@@ -152,7 +152,11 @@ def _settle_open_step(lease: RemoteLease) -> None:
         engine._mark_unknown(
             lease, call, f"left in dispatching by incarnation {call.dispatch_incarnation}"
         )
-    if call.status == ToolCall.Status.UNKNOWN and _needs_person(tool):
+    if (
+        call.status == ToolCall.Status.UNKNOWN
+        and _needs_person(tool)
+        and not call.redispatch_authorized  # an operator chose "dispatch again" already
+    ):
         engine._park_needs_attention(
             lease,
             Run.Reason.UNKNOWN_OUTCOME,
