@@ -50,6 +50,16 @@ v1 = [
         name="tool-call-dispatch",
     ),
     path(
+        "tool-calls/<int:tool_call_id>/send-check/",
+        remote_api.SendCheckApi.as_view(),
+        name="tool-call-send-check",
+    ),
+    path(
+        "tool-calls/<int:tool_call_id>/lookups/",
+        remote_api.LookupApi.as_view(),
+        name="tool-call-lookups",
+    ),
+    path(
         "tool-calls/<int:tool_call_id>/receipt/",
         remote_api.ReceiptApi.as_view(),
         name="tool-call-receipt",

@@ -9,9 +9,9 @@ so an agent process can vendor this one file. See docs/remote-agents.md for a co
             ...
         proposal = run.propose("refund", {"order_id": "ord_1", "amount_cents": 500})
         if proposal.decision == "approved":
-            dispatch = run.dispatch(proposal.tool_call_id)
-            ...                                              # call the tool with dispatch.idempotency_key
-            run.receipt(proposal.tool_call_id, "succeeded", result=...)
+            # dispatch -> pre-send check -> refund(arguments, ctx) -> receipt; an unknown
+            # outcome is looked up by key and sent again only when the server allows it
+            done = run.execute(proposal.tool_call_id, refund, lookup=find_refund)
         wait = run.wait_for_signal("customer_replied", timeout=3 * 86400)
         if wait.waiting:                                     # the lease is released: exit; the
             return                                           # run.wait_ended webhook wakes us
@@ -20,6 +20,11 @@ so an agent process can vendor this one file. See docs/remote-agents.md for a co
 Errors are raised as ``ApiError`` subclasses named after the API's error codes; a
 ``LeaseLost`` means this process must stop advancing the run at once (another process took
 over, or an operator paused or terminated it).
+
+``AGENTOPS_PAUSE_AT=dispatching|before_send[:<n>]`` freezes this process (SIGSTOP) right after
+the n-th dispatch answer, or right after the n-th pre-send check passed, for tests and the
+chaos harness (DESIGN §9). The hosted worker's other points are accepted and inert here; a
+malformed value is ``BadPauseSpec`` (one line) when the ``Client`` is made.
 """
 
 from __future__ import annotations
@@ -27,11 +32,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
+import signal
+import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
@@ -39,8 +47,19 @@ import httpx
 
 __all__ = [
     "ApiError",
+    "BadPauseSpec",
     "Client",
     "Dispatch",
+    "DispatchTooEarly",
+    "Executed",
+    "Found",
+    "LookupTooEarly",
+    "NotSent",
+    "OutcomeUnknown",
+    "ReconcileRequired",
+    "SendDeadlinePassed",
+    "ToolContext",
+    "ToolFailed",
     "LeaseHeld",
     "LeaseLost",
     "Proposal",
@@ -66,13 +85,24 @@ class ApiError(Exception):
     """An error answer: ``code`` is the API's machine code (see docs/api.md)."""
 
     def __init__(
-        self, status: int, code: str, detail: str, fields: Mapping[str, list[str]] | None = None
+        self,
+        status: int,
+        code: str,
+        detail: str,
+        fields: Mapping[str, list[str]] | None = None,
+        body: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(f"{status} {code}: {detail}")
         self.status = status
         self.code = code
         self.detail = detail
         self.fields = dict(fields or {})
+        # the whole answer: some codes carry values to act on (resend_after, latest_lookup)
+        self.body = dict(body or {})
+
+    @property
+    def resend_after(self) -> datetime | None:
+        return _parse_time(self.body.get("resend_after"))
 
 
 class ValidationError(ApiError):
@@ -111,7 +141,38 @@ class Throttled(ApiError):
     pass
 
 
+class SendDeadlinePassed(ApiError):
+    """The pre-send check refused: the dispatch's send deadline passed. Do not send."""
+
+
+class LookupRequired(ValidationError):
+    pass
+
+
+class LookupTooEarly(InvalidState):
+    """The lookup began before the original request could no longer land: begin another
+    after ``resend_after``."""
+
+
+class LookupSuperseded(InvalidState):
+    pass
+
+
+class ReconcileRequired(InvalidState):
+    """An unknown outcome: look it up (or let a person resolve it) before dispatching."""
+
+
+class DispatchTooEarly(InvalidState):
+    """The original request may still land until ``resend_after``."""
+
+
 _ERRORS: dict[str, type[ApiError]] = {
+    "send_deadline_passed": SendDeadlinePassed,
+    "lookup_required": LookupRequired,
+    "lookup_too_early": LookupTooEarly,
+    "lookup_superseded": LookupSuperseded,
+    "reconcile_required": ReconcileRequired,
+    "dispatch_too_early": DispatchTooEarly,
     "validation_error": ValidationError,
     "unknown_agent": ValidationError,
     "not_found": NotFound,
@@ -281,7 +342,10 @@ class Proposal:
 @dataclass(frozen=True)
 class Dispatch:
     """``go``: call the tool now with ``idempotency_key`` and ``arguments`` (an approver may
-    have edited them). Otherwise ``reason`` says why not (the call's status changed)."""
+    have edited them) — after ``RemoteRun.send_check``. Otherwise ``reason`` says why not (the
+    call's status changed). ``send_deadline`` / ``landing_deadline`` are the server's (database
+    time); ``send_by`` / ``finish_by`` the same bounds on this process's monotonic clock,
+    counted from *before* the dispatch request was sent, so they can only end earlier."""
 
     go: bool
     idempotency_key: str
@@ -289,6 +353,230 @@ class Dispatch:
     attempt: int
     status: str
     reason: str
+    tool_call_id: int = 0
+    fence: int | None = None
+    replayed: bool = False
+    dispatched_at: datetime | None = None
+    send_deadline: datetime | None = None
+    landing_deadline: datetime | None = None
+    timeout: float | None = None
+    send_by: float | None = None
+    finish_by: float | None = None
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A reconciliation lookup begun on the server (``number``, in database time). Name it in
+    the receipt. ``absent_allows_resend`` false: it began before ``resend_after`` (the
+    landing deadline), so an ``absent`` from it would be refused."""
+
+    tool_call_id: int
+    number: int
+    started_at: datetime
+    resend_after: datetime | None
+    absent_allows_resend: bool
+    begun: float  # this process's monotonic clock, before the request was sent
+
+    def seconds_until_resend(self) -> float:
+        """How long from now until a lookup begun then can report absent (server times
+        compared with each other, never with this host's clock)."""
+        if self.resend_after is None:
+            return 0.0
+        wait = (self.resend_after - self.started_at).total_seconds()
+        return max(0.0, wait - (time.monotonic() - self.begun))
+
+
+@dataclass(frozen=True)
+class Found:
+    """What a lookup by key answered: ``found`` (with the result), ``absent`` (reliably not
+    there), or ``unknown`` (the lookup failed or cannot tell — never absence)."""
+
+    outcome: str
+    result: Any = None
+    external_ref: str = ""
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class Executed:
+    """How ``RemoteRun.execute`` / ``reconcile`` ended. ``outcome``: ``succeeded`` /
+    ``failed`` (recorded, ``source`` says by whom), ``not_dispatched`` (``reason``),
+    ``needs_attention`` (the run waits for a person: stop), or ``undecided`` (the lookups
+    could not tell; the call stays unknown)."""
+
+    outcome: str
+    result: Any = None
+    source: str = ""
+    reason: str = ""
+    run_status: str = "running"
+
+
+# --- what a tool function gets ------------------------------------------------------------------
+
+
+class ToolFailed(Exception):
+    """Raise from a tool function: the tool answered with a definite failure."""
+
+    def __init__(self, result: Any = None) -> None:
+        super().__init__(str(result))
+        self.result = result
+
+
+class OutcomeUnknown(Exception):
+    """Raise from a tool function: it may or may not have acted (timeout, reset, 5xx)."""
+
+
+class NotSent(Exception):
+    """The request did not leave (the send deadline or the total budget passed first)."""
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What a tool function gets besides the arguments: the key, the fence and the send
+    deadline travel with the request (``headers()``) for a downstream that checks them;
+    ``check_send()`` refuses once the request may no longer leave, ``remaining()`` is what
+    is left of the tool's total timeout. ``request()`` does both for one HTTP request."""
+
+    tool_call_id: int
+    idempotency_key: str
+    attempt: int
+    fence: int | None
+    send_deadline: datetime | None
+    timeout: float
+    send_by: float | None
+    finish_by: float | None
+
+    def remaining(self) -> float:
+        if self.finish_by is None:
+            return self.timeout
+        return max(0.0, self.finish_by - time.monotonic())
+
+    def check_send(self) -> None:
+        """Raise ``NotSent`` once the request may no longer leave. Call it as late as
+        possible before the first byte is written."""
+        now = time.monotonic()
+        if self.send_by is not None and now >= self.send_by:
+            raise NotSent(f"the send deadline passed {now - self.send_by:.3f}s ago: not sent")
+        if self.finish_by is not None and now >= self.finish_by:
+            raise NotSent("the tool's total timeout passed before the request was sent")
+
+    def headers(self) -> dict[str, str]:
+        headers = {"Idempotency-Key": self.idempotency_key}
+        if self.fence is not None:
+            headers["X-Agentops-Fence"] = str(self.fence)
+        if self.send_deadline is not None:
+            headers["X-Agentops-Send-Deadline"] = self.send_deadline.astimezone(UTC).isoformat()
+        return headers
+
+    def request(self, method: str, url: str, **kwargs: Any) -> httpx.Response:
+        """One HTTP request inside the tool's total timeout, connection set-up included
+        (httpx's own timeout bounds each phase separately), whose first byte is never
+        written after the send deadline. ``NotSent`` if it did not leave; ``OutcomeUnknown``
+        for a timeout or a transport error after it may have left. The answer is returned
+        as it is (the tool decides what a status means)."""
+        self.check_send()
+        sent = False
+
+        def trace(event: str, info: dict[str, Any]) -> None:
+            nonlocal sent
+            if not event.endswith(".started"):
+                return
+            left = self.remaining()
+            if left <= 0:
+                raise httpx.TimeoutException(f"{method} {url}: the total timeout passed")
+            if event.endswith("send_request_headers.started"):
+                self.check_send()  # the last moment before the request's first byte
+                sent = True
+            if "timeout" in info and event.startswith("connection."):
+                info["timeout"] = left if info["timeout"] is None else min(info["timeout"], left)
+            outgoing = info.get("request")
+            if outgoing is not None:
+                outgoing.extensions["timeout"] = dict.fromkeys(
+                    ("connect", "read", "write", "pool"), left
+                )
+
+        headers = {**self.headers(), **kwargs.pop("headers", {})}
+        extensions = {**kwargs.pop("extensions", {}), "trace": trace}
+        try:
+            with httpx.Client(timeout=httpx.Timeout(self.remaining())) as http:
+                outgoing = http.build_request(
+                    method, url, headers=headers, extensions=extensions, **kwargs
+                )
+                return http.send(outgoing)
+        except NotSent:
+            raise
+        except httpx.HTTPError as exc:
+            if not sent:
+                raise NotSent(f"{method} {url}: {type(exc).__name__} before sending") from exc
+            raise OutcomeUnknown(f"{method} {url}: {type(exc).__name__}: {exc}") from exc
+
+
+Tool = Callable[[Mapping[str, Any], ToolContext], Any]
+LookupFn = Callable[[str, Mapping[str, Any]], Found]
+
+
+# --- pauses for tests and the chaos harness (DESIGN §9) --------------------------------------
+
+# the contract's points (runs/faults.py): the client pauses at the two that are its own
+_BOUNDARIES = (
+    "claimed",
+    "decided",
+    "approval_requested",
+    "dispatching",
+    "before_send",
+    "tool_call",
+    "receipt_recorded",
+    "step_completed",
+    "run_finished",
+)
+CLIENT_PAUSE_POINTS = ("dispatching", "before_send")
+
+
+class BadPauseSpec(ValueError):
+    pass
+
+
+def parse_pause_spec(value: str | None) -> tuple[str, int] | None:
+    """``AGENTOPS_PAUSE_AT=<boundary>[:<n>]`` as (boundary, n); None when unset."""
+    if value is None or value.strip() == "":
+        return None
+    boundary, _, count = value.strip().partition(":")
+    if boundary not in _BOUNDARIES:
+        raise BadPauseSpec(
+            f"AGENTOPS_PAUSE_AT={value!r}: unknown boundary {boundary!r} "
+            f"(expected one of {', '.join(_BOUNDARIES)}, optionally followed by :N)"
+        )
+    if count == "":
+        return boundary, 1
+    if not count.isdigit() or int(count) < 1:
+        raise BadPauseSpec(
+            f"AGENTOPS_PAUSE_AT={value!r}: the occurrence must be a positive integer"
+        )
+    return boundary, int(count)
+
+
+class _Pauses:
+    def __init__(self, spec: tuple[str, int] | None) -> None:
+        self.spec = spec
+        self.seen = 0
+        self.lock = threading.Lock()
+
+    def point(self, boundary: str) -> None:
+        if self.spec is None or self.spec[0] != boundary:
+            return
+        with self.lock:
+            self.seen += 1
+            hit = self.seen == self.spec[1]
+        if hit:
+            sys.stderr.write(f"AGENTOPS_PAUSE_AT: freezing process {os.getpid()} at {boundary}\n")
+            sys.stderr.flush()
+            os.kill(os.getpid(), signal.SIGSTOP)  # execution resumes here on SIGCONT
+
+
+def _parse_time(value: Any) -> datetime | None:
+    if not value:
+        return None
+    return datetime.fromisoformat(str(value).replace("Z", "+00:00"))
 
 
 # --- the client ---------------------------------------------------------------------------------
@@ -303,6 +591,8 @@ class Client:
         timeout: float = 10.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
+        # first: a malformed value stops the process before it does anything
+        self.pauses = _Pauses(parse_pause_spec(os.environ.get("AGENTOPS_PAUSE_AT")))
         self._http = httpx.Client(
             base_url=base_url.rstrip("/") + "/api/v1/",
             headers={"Authorization": f"Bearer {token}", "Accept": "application/json"},
@@ -342,7 +632,9 @@ class Client:
             code = body.get("code", "server_error") if isinstance(body, dict) else "server_error"
             detail = body.get("detail", response.text[:500]) if isinstance(body, dict) else ""
             error = _ERRORS.get(code, ApiError)
-            raise error(response.status_code, code, detail, body.get("fields"))
+            if not isinstance(body, dict):
+                body = {}
+            raise error(response.status_code, code, detail, body.get("fields"), body)
         return response.json() if response.content else None
 
     # runs, approvals, agents
@@ -589,16 +881,78 @@ class RemoteRun:
         return self._wait(body, seq)
 
     def dispatch(self, tool_call_id: int, *, precondition: str = "") -> Dispatch:
-        """Mark the call ``dispatching`` *before* calling the tool (a retried request with
-        the same fence gets the same answer)."""
+        """Mark the call ``dispatching`` *before* calling the tool (a repeated request with
+        the same fence gets the original dispatch and its deadlines). The local budgets start
+        before the request is sent: they can only end before the server's deadlines."""
+        started = time.monotonic()
         data = self._post(f"tool-calls/{tool_call_id}/dispatch/", {"precondition": precondition})
-        return Dispatch(
+        dispatched_at = _parse_time(data.get("dispatched_at"))
+        send_deadline = _parse_time(data.get("send_deadline"))
+        timeout = data.get("timeout_seconds")
+        send_by = finish_by = None
+        if data["go"] and dispatched_at is not None and send_deadline is not None:
+            send_by = started + (send_deadline - dispatched_at).total_seconds()
+        if data["go"] and timeout is not None:
+            finish_by = started + float(timeout)
+        dispatch = Dispatch(
             go=data["go"],
             idempotency_key=data["idempotency_key"],
             arguments=dict(data["arguments"] or {}),
             attempt=data["attempt"],
             status=data["tool_call"]["status"],
             reason=data["reason"],
+            tool_call_id=tool_call_id,
+            fence=data.get("fence"),
+            replayed=data.get("replayed", False),
+            dispatched_at=dispatched_at,
+            send_deadline=send_deadline,
+            landing_deadline=_parse_time(data.get("landing_deadline")),
+            timeout=float(timeout) if timeout is not None else None,
+            send_by=send_by,
+            finish_by=finish_by,
+        )
+        if dispatch.go:
+            self.client.pauses.point("dispatching")
+        return dispatch
+
+    def send_check(self, dispatch: Dispatch) -> ToolContext:
+        """The pre-send check, immediately before the tool call: the server confirms in one
+        query that this fence still holds the run, the call is still this dispatch and its
+        send deadline has not passed. ``SendDeadlinePassed`` / ``LeaseLost`` /
+        ``InvalidState``: do not send. Returns the tool's context, its send budget tightened
+        by what the server said was left (counted from before this request)."""
+        asked = time.monotonic()
+        data = self._post(
+            f"tool-calls/{dispatch.tool_call_id}/send-check/", {"attempt": dispatch.attempt}
+        )
+        send_by = asked + float(data["send_seconds_left"])
+        if dispatch.send_by is not None:
+            send_by = min(send_by, dispatch.send_by)
+        ctx = ToolContext(
+            tool_call_id=dispatch.tool_call_id,
+            idempotency_key=dispatch.idempotency_key,
+            attempt=dispatch.attempt,
+            fence=self.fence,
+            send_deadline=_parse_time(data["send_deadline"]),
+            timeout=dispatch.timeout or 0.0,
+            send_by=send_by,
+            finish_by=dispatch.finish_by,
+        )
+        self.client.pauses.point("before_send")
+        return ctx
+
+    def begin_lookup(self, tool_call_id: int) -> Lookup:
+        """Record on the server that a lookup of the call's key begins now — before looking
+        it up. Name its ``number`` in the receipt."""
+        begun = time.monotonic()
+        data = self._post(f"tool-calls/{tool_call_id}/lookups/")
+        return Lookup(
+            tool_call_id=tool_call_id,
+            number=data["lookup"],
+            started_at=_parse_time(data["started_at"]),
+            resend_after=_parse_time(data.get("resend_after")),
+            absent_allows_resend=data["absent_allows_resend"],
+            begun=begun,
         )
 
     def receipt(
@@ -610,19 +964,236 @@ class RemoteRun:
         external_ref: str = "",
         source: str = "agent",
         state: Mapping[str, Any] | None = None,
+        lookup: int | None = None,
     ) -> dict[str, Any]:
         """``succeeded``/``failed`` (the tool answered), ``unknown`` (timeout, reset, 5xx),
-        or, with ``source="reconciliation"``, what a lookup by key found: ``succeeded``,
-        ``failed`` or ``absent``."""
+        ``not_sent`` (the pre-send check refused: the request never left), or, with
+        ``source="reconciliation"`` and the ``lookup`` number, what a lookup by key found:
+        ``succeeded``, ``failed`` or ``absent``. The answer's ``run_status`` says whether to
+        go on (``running``)."""
         body: dict[str, Any] = {
             "outcome": outcome,
             "source": source,
             "result": result,
             "external_ref": external_ref,
         }
+        if lookup is not None:
+            body["lookup"] = lookup
         if state is not None:
             body["state"] = dict(state)
         return self._post(f"tool-calls/{tool_call_id}/receipt/", body)
+
+    # the whole loop (docs/remote-agents.md)
+
+    def execute(
+        self,
+        tool_call_id: int,
+        tool: Tool,
+        *,
+        lookup: LookupFn | None = None,
+        state: Callable[[str, Any], Mapping[str, Any] | None] | None = None,
+        precondition: str = "",
+        max_lookups: int = 5,
+        max_sends: int = 3,
+    ) -> Executed:
+        """Dispatch the call, pass the pre-send check, call ``tool(arguments, ctx)`` and
+        record its outcome; an unknown one is reconciled (``reconcile``). ``tool`` returns
+        the result (a dict with ``refund_id``-like ``external_ref`` if any), raises
+        ``ToolFailed`` for a definite failure, and ``OutcomeUnknown`` (or anything else) when
+        it cannot tell; it should send ``ctx.headers()`` and call ``ctx.check_send()`` just
+        before its request leaves (``ctx.request`` does both). ``state(outcome, result)``
+        gives the run's new state to record with the receipt. ``LeaseLost`` propagates:
+        stop advancing the run."""
+        return self._drive(
+            tool_call_id,
+            tool,
+            lookup,
+            state,
+            precondition=precondition,
+            dispatch_first=True,
+            max_lookups=max_lookups,
+            max_sends=max_sends,
+        )
+
+    def reconcile(
+        self,
+        tool_call_id: int,
+        tool: Tool,
+        *,
+        lookup: LookupFn | None = None,
+        state: Callable[[str, Any], Mapping[str, Any] | None] | None = None,
+        max_lookups: int = 5,
+        max_sends: int = 3,
+    ) -> Executed:
+        """An unknown outcome (e.g. from ``resume.unknown_outcomes``): begin a lookup, look the
+        key up with ``lookup(key, arguments)``, record what it found; after an accepted
+        ``absent``, dispatch again with the same key (waiting out the landing deadline when
+        the server says ``lookup_too_early`` or ``dispatch_too_early``). A tool with no
+        lookup is dispatched again only if the server allows it (read, deduplicating
+        downstream, an operator's "dispatch again")."""
+        return self._drive(
+            tool_call_id,
+            tool,
+            lookup,
+            state,
+            precondition="",
+            dispatch_first=False,
+            max_lookups=max_lookups,
+            max_sends=max_sends,
+        )
+
+    def _drive(
+        self,
+        tool_call_id: int,
+        tool: Tool,
+        lookup: LookupFn | None,
+        state: Callable[[str, Any], Mapping[str, Any] | None] | None,
+        *,
+        precondition: str,
+        dispatch_first: bool,
+        max_lookups: int,
+        max_sends: int,
+    ) -> Executed:
+        send = dispatch_first
+        sends = 0
+        key, arguments = "", {}
+        while True:
+            if send:
+                sends += 1
+                dispatch = self._dispatch_when_allowed(tool_call_id, precondition)
+                if not dispatch.go:
+                    return Executed("not_dispatched", reason=dispatch.reason)
+                key, arguments = dispatch.idempotency_key, dispatch.arguments
+                outcome, result, ref = self._send(dispatch, tool)
+                if outcome in ("succeeded", "failed"):
+                    return self._record(tool_call_id, outcome, result, ref, "agent", state, None)
+                answer = self.receipt(tool_call_id, outcome, result=result)
+                if answer.get("run_status", "running") != "running":
+                    return Executed("needs_attention", result, run_status=answer["run_status"])
+            if not key:
+                key, arguments = self._unknown_call(tool_call_id)
+            if lookup is None:
+                # nothing to look up: the server decides whether the same key may go again
+                if sends >= max_sends:
+                    return Executed("undecided", reason="sent too often without an outcome")
+                send = True
+                continue
+            found = self._look_up(tool_call_id, key, arguments, lookup, state, max_lookups)
+            if found is not None:
+                return found
+            if sends >= max_sends:
+                return Executed("undecided", reason="absent again after too many sends")
+            send = True  # an accepted absent: the same key again
+
+    def _unknown_call(self, tool_call_id: int) -> tuple[str, dict[str, Any]]:
+        # the key and the real arguments, from the resume packet
+        for info in self.resume.open_tool_calls:
+            if info.id == tool_call_id:
+                return info.idempotency_key, dict(info.arguments)
+        raise ValueError(f"tool call {tool_call_id} is not an open call of this lease")
+
+    def _dispatch_when_allowed(self, tool_call_id: int, precondition: str) -> Dispatch:
+        for _ in range(3):
+            try:
+                return self.dispatch(tool_call_id, precondition=precondition)
+            except DispatchTooEarly as exc:
+                # the original may still land: wait until it cannot (a short server wait)
+                time.sleep(min(max(float(exc.body.get("wait_seconds", 1.0)), 0.05), 60.0))
+        return self.dispatch(tool_call_id, precondition=precondition)
+
+    def _send(self, dispatch: Dispatch, tool: Tool) -> tuple[str, Any, str]:
+        """(outcome, result, external_ref): succeeded / failed / unknown / not_sent."""
+        try:
+            ctx = self.send_check(dispatch)
+        except SendDeadlinePassed as exc:
+            return "not_sent", exc.detail, ""
+        try:
+            result = tool(dispatch.arguments, ctx)
+        except ToolFailed as exc:
+            return "failed", exc.result, ""
+        except NotSent as exc:
+            return "not_sent", str(exc), ""
+        except Exception as exc:  # it may or may not have acted: reconcile, never assume
+            return "unknown", f"{type(exc).__name__}: {exc}", ""
+        ref = result.get("external_ref", "") if isinstance(result, dict) else ""
+        return "succeeded", result, str(ref or "")
+
+    def _record(
+        self,
+        tool_call_id: int,
+        outcome: str,
+        result: Any,
+        external_ref: str,
+        source: str,
+        state: Callable[[str, Any], Mapping[str, Any] | None] | None,
+        lookup: int | None,
+    ) -> Executed:
+        new_state = state(outcome, result) if state is not None else None
+        answer = self.receipt(
+            tool_call_id,
+            outcome,
+            result=result,
+            external_ref=external_ref,
+            source=source,
+            state=new_state,
+            lookup=lookup,
+        )
+        return Executed(outcome, result, source, run_status=answer.get("run_status", "running"))
+
+    def _look_up(
+        self,
+        tool_call_id: int,
+        key: str,
+        arguments: Mapping[str, Any],
+        lookup: LookupFn,
+        state: Callable[[str, Any], Mapping[str, Any] | None] | None,
+        max_lookups: int,
+    ) -> Executed | None:
+        """Lookups until one decides: the recorded outcome, or None after an accepted
+        ``absent`` (the caller dispatches again)."""
+        failures = early = 0
+        while failures < max_lookups:
+            begun = self.begin_lookup(tool_call_id)
+            try:
+                found = lookup(key, arguments)
+            except Exception as exc:  # a lookup that fails is NOT absence
+                found = Found("unknown", detail=f"{type(exc).__name__}: {exc}")
+            if found.outcome == "found":
+                return self._record(
+                    tool_call_id,
+                    "succeeded",
+                    found.result,
+                    found.external_ref,
+                    "reconciliation",
+                    state,
+                    begun.number,
+                )
+            if found.outcome == "absent":
+                try:
+                    answer = self.receipt(
+                        tool_call_id, "absent", source="reconciliation", lookup=begun.number
+                    )
+                except LookupTooEarly:
+                    # it looked before the original request could no longer land: look again
+                    # once it cannot (bounded: the landing deadline does not move)
+                    early += 1
+                    if early > 3:
+                        raise
+                    time.sleep(begun.seconds_until_resend() + 0.05)
+                    continue
+                if answer.get("run_status", "running") != "running":
+                    return Executed("needs_attention", run_status=answer["run_status"])
+                return None
+            failures += 1
+            self.receipt(
+                tool_call_id,
+                "unknown",
+                source="reconciliation",
+                result=found.detail,
+                lookup=begun.number,
+            )
+            time.sleep(min(2 ** (failures - 1) * 0.5, 10.0))
+        return Executed("undecided", reason=f"{max_lookups} lookups could not tell")
 
     def finish(self, result: Any = None) -> dict[str, Any]:
         data = self._post(f"runs/{self.run_id}/finish/", {"status": "succeeded", "result": result})

@@ -3,7 +3,8 @@
 Every error the API returns is ``{"code": <machine code>, "detail": <human text>}``, plus
 ``"fields": {name: [messages]}`` for ``validation_error``. Domain errors raised by services
 carry their ``code``; this module maps each code to one HTTP status, so a view never
-translates an error by hand and a new service error needs one line here.
+translates an error by hand and a new service error needs one line here. A domain error may
+carry machine-readable values besides (``extra``: e.g. ``resend_after``), added to the body.
 """
 
 from __future__ import annotations
@@ -48,6 +49,14 @@ STATUS_BY_CODE: dict[str, int] = {
     "budget_exhausted": 409,
     # the request lacks an explicit confirmation the client can add and send again
     "unsafe_dispatch_unconfirmed": 400,
+    # a dispatch's deadlines (DESIGN §9, docs/remote-agents.md); the body says when
+    "send_deadline_passed": 409,
+    "lookup_too_early": 409,
+    "lookup_superseded": 409,
+    "reconcile_required": 409,
+    "dispatch_too_early": 409,
+    # an absent lookup must name the lookup it reports (POST /tool-calls/{id}/lookups/)
+    "lookup_required": 400,
     "unsupported_media_type": 415,
     # runs.jsonlimits: input over the JSON rule's limits, or with a NUL character
     "json_too_deep": 400,
@@ -149,7 +158,12 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
     code, detail, fields = translated
     # as DRF's own handler does: with ATOMIC_REQUESTS, an error response writes nothing
     set_rollback()
-    response = Response(error_body(code, detail, fields), status=STATUS_BY_CODE[code])
+    body = error_body(code, detail, fields)
+    extra = getattr(exc, "extra", None)
+    if isinstance(extra, dict):
+        # what the client acts on (when to try again), as fields and not only in prose
+        body.update({key: value for key, value in extra.items() if key not in body})
+    response = Response(body, status=STATUS_BY_CODE[code])
     if isinstance(exc, exceptions.Throttled) and exc.wait is not None:
         response["Retry-After"] = str(int(exc.wait) + 1)
     if code == "not_authenticated":
@@ -209,6 +223,22 @@ class ErrorSerializer(serializers.Serializer):
         child=serializers.ListField(child=serializers.CharField()),
         required=False,
         help_text="Only for validation_error: messages per input field.",
+    )
+    resend_after = serializers.DateTimeField(
+        required=False,
+        help_text="lookup_too_early, dispatch_too_early, send_deadline_passed: the call's "
+        "landing deadline (server time). Only a lookup begun after it may report absent; a "
+        "call without a lookup is dispatched again only after it.",
+    )
+    send_deadline = serializers.DateTimeField(
+        required=False, help_text="send_deadline_passed: the dispatch's send deadline."
+    )
+    wait_seconds = serializers.FloatField(
+        required=False,
+        help_text="dispatch_too_early: seconds from now until resend_after, by the server's clock.",
+    )
+    latest_lookup = serializers.IntegerField(
+        required=False, help_text="lookup_superseded: the latest lookup begun (report that one)."
     )
 
 

@@ -237,6 +237,10 @@ class ToolCall(models.Model):
     # remote agent's ``absent`` names the lookup it reports (runs.remote.toolcalls)
     lookup_started_at = models.DateTimeField(null=True, blank=True)
     lookups_begun = models.PositiveIntegerField(default=0)
+    # a remote agent's ``absent`` that was accepted (its lookup started after the landing
+    # deadline): the number of that lookup. It lets the call be dispatched again only while
+    # no lookup was begun since and no operator restarted the rules (toolcall_resolve)
+    absent_lookup = models.PositiveIntegerField(null=True, blank=True)
     last_error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

@@ -332,6 +332,9 @@ def toolcall_resolve(
                 reconcile_attempts=0,
                 next_reconcile_at=None,
                 redispatch_authorized=outcome == Resolution.DISPATCH_AGAIN,
+                # a remote agent's accepted absent is used up too: it looks the key up again
+                # (a lookup that starts after the landing deadline) before a re-send
+                absent_lookup=None,
                 updated_at=timezone.now(),
             )
         _requeue(cp, run_id)

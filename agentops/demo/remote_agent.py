@@ -2,8 +2,9 @@
 
 It refunds one order through the demo sandbox payments service, which in its
 non-deduplicating mode would happily refund twice: only the protocol's discipline (dispatch
-before calling, reconcile an unknown outcome by key, never blindly send again) keeps it to
-exactly one refund, whichever process dies where.
+before calling, the pre-send check, reconcile an unknown outcome by key with a lookup that
+began after the landing deadline, never blindly send again) keeps it to exactly one refund,
+whichever process dies or freezes where. ``agentops.client`` runs that loop.
 
     python -m agentops.demo.remote_agent --register          # once, with an admin token
     python -m agentops.demo.remote_agent --run <run id>      # as often as you like
@@ -19,11 +20,22 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import httpx
 
-from agentops.client import Client, InvalidState, LeaseLost, RemoteRun, ToolCallInfo
+from agentops.client import (
+    BadPauseSpec,
+    Client,
+    Executed,
+    Found,
+    LeaseLost,
+    OutcomeUnknown,
+    RemoteRun,
+    ToolContext,
+    ToolFailed,
+)
 
 NAME = "remote_refunder"
 MANIFEST: dict[str, Any] = {
@@ -75,101 +87,83 @@ class Refunder:
 
     # the real tool, and its lookup by idempotency key
 
-    def call_refund(self, key: str, arguments: dict[str, Any]) -> tuple[str, Any]:
-        """("succeeded" | "failed" | "unknown", result)"""
+    def refund(self, arguments: Mapping[str, Any], ctx: ToolContext) -> dict[str, Any]:
+        """Called by the client after the pre-send check. ``ctx.request`` sends the key, the
+        fence and the send deadline as headers, never starts sending after the send deadline,
+        and bounds the whole call by the tool's timeout."""
+        say(f"dispatching {ctx.idempotency_key} attempt {ctx.attempt}")
+        body = {"idempotency_key": ctx.idempotency_key, **arguments}
         try:
-            response = httpx.post(
-                f"{self.sandbox}/refunds", json={"idempotency_key": key, **arguments}, timeout=5
-            )
-        except httpx.HTTPError as exc:  # timeout, reset: it may or may not have happened
-            return "unknown", f"{type(exc).__name__}: {exc}"
+            response = ctx.request("POST", f"{self.sandbox}/refunds", json=body)
+        except OutcomeUnknown:
+            say("tool returned unknown")
+            raise
+        outcome = "succeeded" if response.status_code < 400 else "failed"
         if response.status_code >= 500:
-            return "unknown", f"answered {response.status_code}"
-        if response.status_code >= 400:
-            return "failed", response.json()
-        return "succeeded", response.json()
-
-    def lookup_refund(self, key: str) -> tuple[str, Any]:
-        """("found" | "absent" | "unknown", refund)"""
-        try:
-            response = httpx.get(
-                f"{self.sandbox}/refunds", params={"idempotency_key": key}, timeout=5
-            )
-            body = response.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            return "unknown", str(exc)  # a failed lookup is NOT absence
-        if response.status_code == 200 and body.get("found") is True:
-            return "found", body["refunds"][0]
-        if response.status_code == 200 and body.get("found") is False:
-            return "absent", None
-        return "unknown", body
-
-    # the protocol
-
-    def execute(self, call_id: int) -> None:
-        dispatch = self.run.dispatch(call_id)
-        if not dispatch.go:
-            raise SystemExit(f"not dispatched: {dispatch.reason}")
-        say(f"dispatching {dispatch.idempotency_key} attempt {dispatch.attempt}")
-        outcome, result = self.call_refund(dispatch.idempotency_key, dispatch.arguments)
+            outcome = "unknown"
         say(f"tool returned {outcome}")
         if self.hold_after_tool:
             # for the crash demo: the refund happened, nothing is recorded yet; kill me now
             while True:
                 time.sleep(60)
         if outcome == "unknown":
-            self.run.receipt(call_id, "unknown", result=result)
-            self.reconcile(call_id, dispatch.idempotency_key)
-            return
-        self.record(call_id, outcome, result, source="agent")
+            raise OutcomeUnknown(f"answered {response.status_code}")
+        if outcome == "failed":
+            raise ToolFailed(response.json())
+        refund = response.json()
+        return {**refund, "external_ref": refund.get("refund_id", "")}
 
-    def record(self, call_id: int, outcome: str, result: Any, *, source: str) -> None:
-        if outcome == "succeeded":
-            self.state["refund"] = result
+    def find_refund(self, key: str, arguments: Mapping[str, Any]) -> Found:
+        try:
+            response = httpx.get(
+                f"{self.sandbox}/refunds", params={"idempotency_key": key}, timeout=5
+            )
+            body = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            found = Found("unknown", detail=str(exc))  # a failed lookup is NOT absence
         else:
-            self.state["refund_failed"] = result
-        self.run.receipt(
-            call_id,
-            outcome,
-            result=result,
-            external_ref=(result or {}).get("refund_id", "") if outcome == "succeeded" else "",
-            source=source,
-            state=self.state,
-        )
+            if response.status_code == 200 and body.get("found") is True:
+                refund = body["refunds"][0]
+                found = Found("found", refund, refund.get("refund_id", ""))
+            elif response.status_code == 200 and body.get("found") is False:
+                found = Found("absent")
+            else:
+                found = Found("unknown", detail=str(body))
+        say(f"reconciled {key}: {found.outcome}")
+        return found
 
-    def reconcile(self, call_id: int, key: str) -> None:
-        """An unknown outcome: look the key up, never just send it again."""
-        for attempt in range(5):
-            found, refund = self.lookup_refund(key)
-            say(f"reconciled {key}: {found}")
-            if found == "found":
-                self.record(call_id, "succeeded", refund, source="reconciliation")
-                return
-            if found == "absent":
-                self.run.receipt(call_id, "absent", source="reconciliation")
-                # sent again with the same key, once the first request can no longer land
-                while True:
-                    try:
-                        self.execute(call_id)
-                        return
-                    except InvalidState:
-                        time.sleep(1)
-            time.sleep(2**attempt)
-        raise SystemExit(f"cannot tell whether {key} happened; leaving it for an operator")
+    def new_state(self, outcome: str, result: Any) -> dict[str, Any]:
+        self.state["refund" if outcome == "succeeded" else "refund_failed"] = result
+        return self.state
+
+    # the protocol: the client runs dispatch -> pre-send check -> tool -> receipt, and on an
+    # unknown outcome lookups -> absent -> dispatch again only when the server allows it
+
+    def settle(self, done: Executed) -> str | None:
+        if done.outcome in ("succeeded", "failed"):
+            return None
+        if done.outcome == "needs_attention":
+            return "needs a person"  # resend: person, an unsafe outcome: an operator decides
+        raise SystemExit(f"cannot tell whether the refund happened: {done.reason or done.outcome}")
 
     def advance(self) -> str:
         resume = self.run.resume
-        for call in resume.unknown_outcomes:
-            self.reconcile(call.id, call.idempotency_key)
-        for call in resume.open_tool_calls:
+        opts = {"lookup": self.find_refund, "state": self.new_state}
+        for call in resume.unknown_outcomes:  # 1. settle what an earlier process left
+            stop = self.settle(self.run.reconcile(call.id, self.refund, **opts))
+            if stop:
+                return stop
+        for call in resume.open_tool_calls:  # 2. e.g. approved while we were away
             if call.status in ("proposed", "approved"):
-                self.execute(call.id)
+                stop = self.settle(self.run.execute(call.id, self.refund, **opts))
+                if stop:
+                    return stop
         if resume.pending_approvals:
             return "waiting for approval"
         undecided = "refund" not in self.state and "refund_failed" not in self.state
-        if undecided and not self.refund_attempted(resume.open_tool_calls):
+        if undecided and not any(c.tool == "refund_payment" for c in resume.open_tool_calls):
             order = resume.input
-            self.state["plan"] = "refund"
+            self.state["plan"] = "refund"  # 3. decide, checkpoint, then act
             self.run.step(input={"goal": resume.goal}, output={"plan": "refund"}, state=self.state)
             proposal = self.run.propose(
                 "refund_payment",
@@ -181,16 +175,14 @@ class Refunder:
             if proposal.decision != "approved":
                 self.run.fail(f"refund refused: {proposal.error}")
                 return "failed"
-            self.execute(proposal.tool_call_id)
+            stop = self.settle(self.run.execute(proposal.tool_call_id, self.refund, **opts))
+            if stop:
+                return stop
         if "refund_failed" in self.state:
             self.run.fail(f"the payments service refused: {self.state['refund_failed']}")
             return "failed"
         self.run.finish({"refund": self.state.get("refund")})
         return "finished"
-
-    @staticmethod
-    def refund_attempted(open_calls: list[ToolCallInfo]) -> bool:
-        return any(call.tool == "refund_payment" for call in open_calls)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,7 +198,12 @@ def main(argv: list[str] | None = None) -> int:
     token = os.environ.get("AGENTOPS_TOKEN")
     if not token:
         parser.error("set AGENTOPS_TOKEN")
-    with Client(args.url, token) as client:
+    try:
+        client = Client(args.url, token)
+    except BadPauseSpec as exc:
+        print(exc, file=sys.stderr)
+        return 2
+    with client:
         if args.register:
             client.register_agent(NAME, MANIFEST)
             say(f"registered {NAME}")

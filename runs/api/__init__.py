@@ -337,6 +337,7 @@ class ToolCallSerializer(serializers.ModelSerializer):
             "send_deadline",
             "landing_deadline",
             "reconcile_attempts",
+            "lookups_begun",
             "lookup_started_at",
             "last_error",
             "receipt",

@@ -119,6 +119,11 @@ class ResumeCallSerializer(serializers.Serializer):
     idempotency_key = serializers.CharField(help_text="Pass it to the real tool.")
     attempt_count = serializers.IntegerField()
     dispatched_at = serializers.DateTimeField(allow_null=True)
+    landing_deadline = serializers.DateTimeField(
+        allow_null=True,
+        help_text="Unknown outcomes: only a lookup begun after it may report absent.",
+    )
+    lookups_begun = serializers.IntegerField()
     last_error = serializers.CharField(allow_blank=True)
     approval = serializers.IntegerField(allow_null=True)
 
@@ -382,21 +387,58 @@ class DispatchInputSerializer(FenceSerializer):
 class DispatchSerializer(serializers.Serializer):
     go = serializers.BooleanField(help_text="true: call the tool now, with this key.")
     reason = serializers.CharField(allow_blank=True)
+    replayed = serializers.BooleanField(
+        help_text="true: a repeated dispatch by the same fence, answered with the original "
+        "dispatch (same attempt, same deadlines)."
+    )
+    fence = serializers.IntegerField(
+        source="call.dispatch_incarnation",
+        allow_null=True,
+        help_text="The fence that dispatched the call (send it with the request as well).",
+    )
     idempotency_key = serializers.CharField(source="call.idempotency_key")
     attempt = serializers.IntegerField(source="call.attempt_count")
     arguments = serializers.JSONField(
         source="call.arguments", help_text="The arguments to send (an approver may have edited)."
+    )
+    dispatched_at = serializers.DateTimeField(
+        source="call.dispatched_at", allow_null=True, help_text="Database time."
+    )
+    send_deadline = serializers.DateTimeField(
+        source="call.send_deadline",
+        allow_null=True,
+        help_text="Database time: no byte of the request may leave after it. Ask "
+        "POST /tool-calls/{id}/send-check/ immediately before sending.",
+    )
+    landing_deadline = serializers.DateTimeField(
+        source="call.landing_deadline",
+        allow_null=True,
+        help_text="Database time: until when the request may still land (send deadline + "
+        "the tool's total timeout + a margin). A re-send needs a lookup begun after it.",
+    )
+    timeout_seconds = serializers.FloatField(
+        source="timeout",
+        allow_null=True,
+        help_text="The tool's total timeout: the whole call, connection set-up included. "
+        "Start counting it before sending the dispatch request.",
     )
     tool_call = ToolCallSerializer(source="call")
 
 
 class DispatchApi(APIView):
     @extend_schema(
-        summary="Mark a call dispatching (consumes its approval) and get its idempotency key",
+        summary="Mark a call dispatching (consumes its approval); get its key and deadlines",
         request=DispatchInputSerializer,
         responses={
             200: DispatchSerializer,
-            **errors("validation_error", "not_found", "invalid_state", "lease_lost"),
+            **errors(
+                "validation_error",
+                "not_found",
+                "invalid_state",
+                "lease_lost",
+                "reconcile_required",
+                "dispatch_too_early",
+            ),
         },
     )
     def post(self, request, tool_call_id):
@@ -410,14 +452,113 @@ class DispatchApi(APIView):
         return Response(DispatchSerializer(dispatch).data)
 
 
+class SendCheckInputSerializer(FenceSerializer):
+    attempt = serializers.IntegerField(
+        min_value=1, max_value=MAX_SEQ, help_text="The attempt dispatch answered."
+    )
+
+
+class SendCheckSerializer(serializers.Serializer):
+    tool_call = serializers.IntegerField(source="tool_call_id")
+    fence = serializers.IntegerField()
+    attempt = serializers.IntegerField()
+    dispatched_at = serializers.DateTimeField()
+    send_deadline = serializers.DateTimeField(
+        help_text="Database time: the request's last byte must leave before it."
+    )
+    landing_deadline = serializers.DateTimeField()
+    checked_at = serializers.DateTimeField(help_text="The database's time at the check.")
+    send_seconds_left = serializers.FloatField(
+        help_text="send_deadline - checked_at: count it from before this request was sent."
+    )
+
+
+class SendCheckApi(APIView):
+    @extend_schema(
+        summary="Pre-send check: may this dispatch's request leave now? (call it just before)",
+        description="One query checks that the fence still holds the running run, the call is "
+        "still that fence's dispatch `attempt`, and the database's clock is before the send "
+        "deadline. Refused (`lease_lost`, `send_deadline_passed`, `invalid_state`): do not "
+        "send; report `not_sent` and reconcile. Writes nothing.",
+        request=SendCheckInputSerializer,
+        responses={
+            200: SendCheckSerializer,
+            **errors(
+                "validation_error",
+                "not_found",
+                "invalid_state",
+                "lease_lost",
+                "send_deadline_passed",
+            ),
+        },
+    )
+    def post(self, request, tool_call_id):
+        data = _input(SendCheckInputSerializer, request)
+        clearance = remote.remote_toolcall_send_check(
+            tool_call_id=tool_call_id,
+            fence=data["fence"],
+            attempt=data["attempt"],
+            actor=actor_for(request),
+        )
+        return Response(SendCheckSerializer(clearance).data)
+
+
+class LookupSerializer(serializers.Serializer):
+    tool_call = serializers.IntegerField(source="call.id")
+    lookup = serializers.IntegerField(
+        source="number", help_text="Name it in the receipt that reports what this lookup found."
+    )
+    started_at = serializers.DateTimeField(help_text="Database time the lookup began.")
+    resend_after = serializers.DateTimeField(
+        allow_null=True,
+        help_text="The call's landing deadline: only a lookup begun after it may report "
+        "absent. null: the downstream deduplicates by key (any lookup may).",
+    )
+    absent_allows_resend = serializers.BooleanField(
+        help_text="false: this lookup began too early; an absent from it is refused "
+        "(lookup_too_early). A found still counts."
+    )
+    idempotency_key = serializers.CharField(source="call.idempotency_key")
+
+
+class LookupApi(APIView):
+    @extend_schema(
+        summary="Begin a reconciliation lookup (before looking the key up)",
+        description="Records, in database time, that a lookup of the call's key is beginning. "
+        "Begin it before sending the lookup to the external system, and name its number in the "
+        "receipt that reports what it found.",
+        request=FenceSerializer,
+        responses={
+            201: LookupSerializer,
+            **errors("validation_error", "not_found", "invalid_state", "lease_lost"),
+        },
+    )
+    def post(self, request, tool_call_id):
+        data = _input(FenceSerializer, request)
+        begun = remote.remote_toolcall_lookup_begin(
+            tool_call_id=tool_call_id, fence=data["fence"], actor=actor_for(request)
+        )
+        return Response(LookupSerializer(begun).data, status=status.HTTP_201_CREATED)
+
+
 class ReceiptInputSerializer(FenceSerializer):
     outcome = serializers.ChoiceField(
         choices=remote.RECEIPT_OUTCOMES,
         help_text="succeeded / failed: the tool (or the lookup) answered. unknown: it timed out "
-        "or failed ambiguously; reconcile next. absent (source reconciliation): the lookup "
-        "reliably found nothing under the key.",
+        "or failed ambiguously; reconcile next. not_sent (source agent): the pre-send check "
+        "refused and the request never left (reconciled as unknown all the same). absent "
+        "(source reconciliation, with lookup): the lookup reliably found nothing under the key.",
     )
     source = serializers.ChoiceField(choices=["agent", "reconciliation"], default="agent")
+    lookup = serializers.IntegerField(
+        min_value=1,
+        max_value=MAX_SEQ,
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="Reconciliation: the lookup (POST /tool-calls/{id}/lookups/) whose answer "
+        "this is. Required with absent.",
+    )
     result = serializers.JSONField(required=False, allow_null=True, default=None)
     external_ref = serializers.CharField(
         max_length=200, required=False, allow_blank=True, default=""
@@ -433,13 +574,35 @@ class ReceiptInputSerializer(FenceSerializer):
         return _json_value(value)
 
 
+class ReceiptSerializer(ToolCallSerializer):
+    run_status = serializers.SerializerMethodField(
+        help_text="The run's status after the receipt: running (go on), or needs_attention "
+        "(an unknown outcome for a person; resend: person), paused, terminated: stop."
+    )
+
+    class Meta(ToolCallSerializer.Meta):
+        fields = [*ToolCallSerializer.Meta.fields, "run_status"]
+        read_only_fields = fields
+
+    def get_run_status(self, call) -> str:
+        return Run.objects.values_list("status", flat=True).get(id=call.run_id)
+
+
 class ReceiptApi(APIView):
     @extend_schema(
         summary="Record a dispatched call's outcome (from the tool or a reconciliation lookup)",
         request=ReceiptInputSerializer,
         responses={
-            200: ToolCallSerializer,
-            **errors("validation_error", "not_found", "invalid_state", "lease_lost"),
+            200: ReceiptSerializer,
+            **errors(
+                "validation_error",
+                "lookup_required",
+                "not_found",
+                "invalid_state",
+                "lease_lost",
+                "lookup_too_early",
+                "lookup_superseded",
+            ),
         },
     )
     def post(self, request, tool_call_id):
@@ -453,8 +616,9 @@ class ReceiptApi(APIView):
             result=data["result"],
             external_ref=data["external_ref"],
             state=data.get("state"),
+            lookup=data["lookup"],
         )
-        return Response(ToolCallSerializer(selectors.toolcalls_for_api().get(id=tool_call_id)).data)
+        return Response(ReceiptSerializer(selectors.toolcalls_for_api().get(id=tool_call_id)).data)
 
 
 class FinishInputSerializer(FenceSerializer):
@@ -782,6 +946,24 @@ class ManifestToolSerializer(serializers.Serializer):
     timeout = serializers.FloatField(required=False, min_value=0.001, max_value=86400)
     allowed_groups = serializers.ListField(child=serializers.CharField(), required=False)
     precondition = serializers.BooleanField(required=False)
+    honours_key = serializers.BooleanField(
+        required=False,
+        help_text="The downstream deduplicates by the idempotency key (default: true for "
+        "idempotent tools, false otherwise): an unknown outcome may be sent again at once.",
+    )
+    honours_deadline = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text="The downstream refuses a request it receives after the send deadline it "
+        "carries (X-Agentops-Send-Deadline).",
+    )
+    resend = serializers.ChoiceField(
+        choices=["auto", "person"],
+        required=False,
+        default="auto",
+        help_text="auto: a valid absent lookup allows a re-dispatch with the same key. person: "
+        "it parks the run for an operator instead (needs_attention, unknown_outcome).",
+    )
 
 
 class ManifestInputSerializer(serializers.Serializer):

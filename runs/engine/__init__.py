@@ -47,6 +47,7 @@ from runs.engine.toolcalls import (
     _fail_step,
     _mark_unknown,
     _record_receipt,
+    presend_row,
 )
 from runs.events import lease_expiry_expression
 
@@ -56,6 +57,7 @@ __all__ = [
     "advance",
     "claim",
     "lease_expiry_expression",
+    "presend_row",
     "set_stop_check",
     # the engine's own steps, for runs.remote (which calls them with execute=False) and tests
     "_advance_once",

@@ -198,6 +198,27 @@ class _NotSent(Exception):
     """The pre-send check refused: the request did not leave."""
 
 
+def presend_row(call_id: Any, *, fence: int, attempt: int) -> tuple[Any, ...] | None:
+    """The pre-send check's ONE query (hosted workers and remote agents' ``send-check``):
+    (dispatched_at, send_deadline, landing_deadline, the database's time) while the run is
+    running under ``fence`` and the call is still that fence's dispatch ``attempt`` before
+    its send deadline; None otherwise."""
+    return (
+        ToolCall.objects.filter(
+            id=call_id,
+            status=ToolCall.Status.DISPATCHING,
+            dispatch_incarnation=fence,
+            attempt_count=attempt,
+            run__fence=fence,
+            run__status=Run.Status.RUNNING,
+            send_deadline__gt=Now(),
+        )
+        .annotate(checked_at=Now())
+        .values_list("dispatched_at", "send_deadline", "landing_deadline", "checked_at")
+        .first()
+    )
+
+
 def _presend_check(lease: Lease, call: ToolCall, tool: Tool) -> ToolContext:
     """DESIGN §9: just before the request leaves, ONE query checks that this incarnation
     still holds the lease and the call is still its dispatch, and that the database's clock
@@ -205,25 +226,13 @@ def _presend_check(lease: Lease, call: ToolCall, tool: Tool) -> ToolContext:
     paused worker that woke up after its lease was taken over, or after its send deadline,
     never sends."""
     checked_at = time.monotonic()
-    row = (
-        ToolCall.objects.filter(
-            id=call.id,
-            status=ToolCall.Status.DISPATCHING,
-            dispatch_incarnation=lease.fence,
-            attempt_count=call.attempt_count,
-            run__fence=lease.fence,
-            run__status=Run.Status.RUNNING,
-            send_deadline__gt=Now(),
-        )
-        .values_list("dispatched_at", "send_deadline", "landing_deadline")
-        .first()
-    )
+    row = presend_row(call.id, fence=lease.fence, attempt=call.attempt_count)
     if row is None:
         raise _NotSent(
             "not sent: the send deadline passed or the lease was lost before the request "
             "could leave"
         )
-    call.dispatched_at, call.send_deadline, call.landing_deadline = row
+    call.dispatched_at, call.send_deadline, call.landing_deadline, _now = row
     started = getattr(lease, "dispatch_started", None) or checked_at
     return ToolContext(
         run_id=str(lease.run.id),

@@ -28,7 +28,7 @@ with the ``run.wait_ended`` webhook.
 The package, by responsibility: ``manifest`` (validation, registration, the registry's view),
 ``lease`` (claim, heartbeat, release, expiry, and ``_held``, which every write goes through),
 ``resume`` (the packet a claim returns), ``steps`` (decisions, finish), ``toolcalls``
-(propose, dispatch, receipt and reconciliation) and ``waits``. Everything other code uses is
+(propose, dispatch, the pre-send check, lookups, receipt and reconciliation) and ``waits``. Everything other code uses is
 imported from here.
 """
 
@@ -71,10 +71,20 @@ from runs.remote.steps import DECISION, StepRecorded, remote_run_finish, remote_
 from runs.remote.toolcalls import (
     RECEIPT_OUTCOMES,
     Dispatch,
+    DispatchTooEarly,
+    LookupBegun,
+    LookupRequired,
+    LookupSuperseded,
+    LookupTooEarly,
     Proposal,
+    ReconcileRequired,
+    SendClearance,
+    SendDeadlinePassed,
     remote_toolcall_dispatch,
+    remote_toolcall_lookup_begin,
     remote_toolcall_propose,
     remote_toolcall_receipt,
+    remote_toolcall_send_check,
 )
 from runs.remote.waits import (
     WAIT_KINDS,
@@ -100,12 +110,20 @@ __all__ = [
     "WAITING_FOR_PROCESS",
     "WAIT_KINDS",
     "Dispatch",
+    "DispatchTooEarly",
     "LeaseGrant",
     "LeaseHeld",
+    "LookupBegun",
+    "LookupRequired",
+    "LookupSuperseded",
+    "LookupTooEarly",
     "ManifestInvalid",
     "Proposal",
     "RemoteAgent",
+    "ReconcileRequired",
     "RemoteLease",
+    "SendClearance",
+    "SendDeadlinePassed",
     "StepRecorded",
     "WaitBegun",
     "agent_manifest_put",
@@ -120,8 +138,10 @@ __all__ = [
     "remote_run_finish",
     "remote_step_record",
     "remote_toolcall_dispatch",
+    "remote_toolcall_lookup_begin",
     "remote_toolcall_propose",
     "remote_toolcall_receipt",
+    "remote_toolcall_send_check",
     "remote_wait_begin",
     "remote_wait_end",
     "remote_waits_end_due",

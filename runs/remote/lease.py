@@ -19,7 +19,7 @@ from runs.actors import Actor
 from runs.dbtime import db_now
 from runs.events import LeaseLost, RunNotFound, checkpoint
 from runs.models import Run, Step, ToolCall
-from runs.registry import Effect, UnknownTool, registry
+from runs.registry import Effect, Tool, UnknownTool, registry
 from runs.remote.manifest import is_remote
 from runs.remote.resume import resume_packet
 from runs.services import BudgetExhausted, InvalidState
@@ -110,6 +110,15 @@ def _check_budget(lease: RemoteLease) -> None:
         raise BudgetExhausted(exhausted + "; the run now needs a person (top up its budget)")
 
 
+def _needs_person(tool: Tool) -> bool:
+    """A side effect with no lookup by key whose downstream does not deduplicate: an unknown
+    outcome goes to a person (an ``unsafe`` tool, or an idempotent one declared
+    ``honours_key: false``)."""
+    if tool.effect == Effect.READ:
+        return False
+    return tool.effect == Effect.UNSAFE or (tool.reconcile is None and not tool.honours_key)
+
+
 def _open_step_call(lease: RemoteLease) -> tuple[Step, ToolCall] | None:
     step = lease.open_step()
     if step is None or step.kind != Step.Kind.TOOL_CALL:
@@ -146,11 +155,15 @@ def _settle_open_step(lease: RemoteLease) -> None:
         engine._mark_unknown(
             lease, call, f"left in dispatching by incarnation {call.dispatch_incarnation}"
         )
-    if call.status == ToolCall.Status.UNKNOWN and tool.effect == Effect.UNSAFE:
+    if (
+        call.status == ToolCall.Status.UNKNOWN
+        and _needs_person(tool)
+        and not call.redispatch_authorized  # an operator chose "dispatch again" already
+    ):
         engine._park_needs_attention(
             lease,
             Run.Reason.UNKNOWN_OUTCOME,
-            f"{tool.name} (unsafe) may or may not have acted: {call.last_error}",
+            f"{tool.name} ({tool.effect}) may or may not have acted: {call.last_error}",
         )
 
 

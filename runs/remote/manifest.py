@@ -21,6 +21,7 @@ from runs.registry import (
     Effect,
     OnExpiry,
     Reconciliation,
+    Resend,
     Tool,
     ToolContext,
     ToolResult,
@@ -130,6 +131,11 @@ def manifest_tool(agent_name: str, spec: Mapping[str, Any]) -> Tool:
         reconcile=_remote_only_reconcile if effect == Effect.RECONCILABLE else None,
         precondition=_reported_precondition if spec.get("precondition") else None,
         version=str(spec.get("version", "")),
+        # what the downstream honours (DESIGN §9), as for hosted tools: None is the effect
+        # class's default (the idempotent class deduplicates by key)
+        honours_key=spec.get("honours_key"),
+        honours_deadline=bool(spec.get("honours_deadline", False)),
+        resend=Resend(spec.get("resend", Resend.AUTO)),
     )
 
 
@@ -244,6 +250,9 @@ TOOL_KEYS = {
     "timeout",
     "allowed_groups",
     "precondition",
+    "honours_key",
+    "honours_deadline",
+    "resend",
 }
 
 
@@ -283,6 +292,11 @@ def _tool_errors(spec: Any) -> list[str]:
         errors.append("allowed_groups: a list of group names")
     if not isinstance(spec.get("precondition", False), bool):
         errors.append("precondition: true or false")
+    for flag in ("honours_key", "honours_deadline"):
+        if not isinstance(spec.get(flag, False), bool):
+            errors.append(f"{flag}: true or false")
+    if spec.get("resend", Resend.AUTO) not in Resend.__members__.values():
+        errors.append(f"resend: one of {', '.join(Resend)}")
     errors += [f"approval: {e}" for e in _policy_errors(spec.get("approval"))]
     return errors
 

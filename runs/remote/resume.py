@@ -25,6 +25,8 @@ def _call_data(run: Run, call: ToolCall) -> dict[str, Any]:
         "idempotency_key": call.idempotency_key,
         "attempt_count": call.attempt_count,
         "dispatched_at": call.dispatched_at.isoformat() if call.dispatched_at else None,
+        "landing_deadline": call.landing_deadline.isoformat() if call.landing_deadline else None,
+        "lookups_begun": call.lookups_begun,
         "last_error": call.last_error,
         "approval": approval,
     }

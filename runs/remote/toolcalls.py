@@ -5,19 +5,81 @@ reconciliation lookup by idempotency key."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
+from django.db import transaction
 from django.db.models import F
+from django.db.models.functions import Now
 from django.utils import timezone
 
 from runs import engine
 from runs.actors import Actor
+from runs.dbtime import db_now
 from runs.events import LeaseLost
 from runs.models import Run, Step, ToolCall, ToolReceipt
-from runs.registry import CallTool, Effect, UnknownTool, digest, registry
-from runs.remote.lease import RemoteLease, _check_budget, _held, _honour_request
+from runs.registry import CallTool, Effect, Resend, Tool, UnknownTool, digest, registry
+from runs.remote.lease import (
+    RemoteLease,
+    _check_budget,
+    _held,
+    _honour_request,
+    _needs_person,
+)
 from runs.remote.manifest import SEP, _reported_fingerprint
 from runs.services import InvalidInput, InvalidState
+
+# --- a dispatch's deadlines (DESIGN §9): the errors a remote agent acts on ---------------------
+
+
+class SendDeadlinePassed(InvalidState):
+    """The pre-send check refused: the dispatch's send deadline has passed. Do not send."""
+
+    code = "send_deadline_passed"
+
+    def __init__(self, message: str, *, send_deadline: datetime, resend_after: datetime):
+        super().__init__(message)
+        self.extra = {"send_deadline": send_deadline, "resend_after": resend_after}
+
+
+class LookupRequired(InvalidInput):
+    """An ``absent`` that names no lookup: the lookup must be begun first."""
+
+    code = "lookup_required"
+
+
+class LookupTooEarly(InvalidState):
+    """The lookup began before the original request could no longer land: its ``absent``
+    proves nothing about a request still on its way."""
+
+    code = "lookup_too_early"
+
+    def __init__(self, message: str, *, resend_after: datetime):
+        super().__init__(message)
+        self.extra = {"resend_after": resend_after}
+
+
+class LookupSuperseded(InvalidState):
+    code = "lookup_superseded"
+
+    def __init__(self, message: str, *, latest_lookup: int):
+        super().__init__(message)
+        self.extra = {"latest_lookup": latest_lookup}
+
+
+class ReconcileRequired(InvalidState):
+    """An unknown outcome may not be dispatched again before it was reconciled."""
+
+    code = "reconcile_required"
+
+
+class DispatchTooEarly(InvalidState):
+    code = "dispatch_too_early"
+
+    def __init__(self, message: str, *, resend_after: datetime, wait_seconds: float):
+        super().__init__(message)
+        # how long that is from now by the database's clock (a client's clock may be off)
+        self.extra = {"resend_after": resend_after, "wait_seconds": round(wait_seconds, 3)}
 
 
 @dataclass(frozen=True)
@@ -140,6 +202,9 @@ class Dispatch:
     go: bool
     call: ToolCall
     reason: str
+    # a repeated dispatch by the same fence: the original dispatch, its deadlines unchanged
+    replayed: bool = False
+    timeout: float | None = None
 
 
 def _call_for_lease(tool_call_id: Any, fence: int, actor: Actor) -> tuple[RemoteLease, ToolCall]:
@@ -150,56 +215,111 @@ def _call_for_lease(tool_call_id: Any, fence: int, actor: Actor) -> tuple[Remote
     return lease, call
 
 
+def _registered(call: ToolCall) -> Tool | None:
+    try:
+        return registry.tool(call.tool_name)
+    except UnknownTool:
+        return None
+
+
+def _tool_of(call: ToolCall) -> Tool | None:
+    """The call's tool, as it was when the call was proposed (None: retired or changed)."""
+    tool = _registered(call)
+    return tool if tool is not None and tool.accepts(call.tool_version) else None
+
+
+def _absent_accepted(call: ToolCall, tool: Tool, landing: datetime) -> bool:
+    """The latest lookup begun reported ``absent`` and was accepted: it started after this
+    attempt's landing deadline (or the downstream deduplicates by key)."""
+    if call.absent_lookup is None or call.absent_lookup != call.lookups_begun:
+        return False
+    if tool.honours_key:
+        return True
+    return call.lookup_started_at is not None and call.lookup_started_at >= landing
+
+
+def _check_redispatch(lease: RemoteLease, call: ToolCall, tool: Tool) -> None:
+    """An unknown outcome is dispatched again only when that cannot repeat its effect
+    (DESIGN §9): a read; a tool whose downstream deduplicates by key and has no lookup;
+    after an accepted ``absent`` from a lookup that started after the landing deadline; or,
+    for a tool with no lookup, after an operator's "dispatch again" once the landing deadline
+    has passed (database time)."""
+    if tool.effect == Effect.READ or (tool.honours_key and tool.reconcile is None):
+        return
+    landing = engine._can_land_until(lease, call, tool)
+    if tool.reconcile is not None:
+        if not _absent_accepted(call, tool, landing):
+            raise ReconcileRequired(
+                "the outcome is unknown: begin a lookup (POST /tool-calls/{id}/lookups/), look "
+                "the key up, and record what it found (a receipt with source reconciliation: "
+                "succeeded, failed, or absent naming the lookup) before dispatching it again"
+            )
+        if tool.resend == Resend.PERSON and not call.redispatch_authorized:
+            raise InvalidState("resend: person — an operator decides whether to send it again")
+        return
+    if not call.redispatch_authorized:
+        raise ReconcileRequired(
+            f"{call.tool_name} has no lookup by key and its downstream does not deduplicate: "
+            "a person resolves the unknown outcome (POST /tool-calls/{id}/resolution/)"
+        )
+    now = db_now()
+    if now < landing:
+        raise DispatchTooEarly(
+            f"the original request may still land until {landing.isoformat()}; dispatch "
+            "again after that",
+            resend_after=landing,
+            wait_seconds=(landing - now).total_seconds(),
+        )
+
+
 def remote_toolcall_dispatch(
     *, tool_call_id: Any, fence: int, actor: Actor, precondition: str = ""
 ) -> Dispatch:
     """``dispatching`` through the engine's own ``_dispatch``: attempt incremented, the
-    approval consumed, the precondition re-checked, in one commit before the side effect.
-    ``go`` is false when the engine refused (approval needed again, precondition changed):
-    the call's status says what happened. An unknown outcome is dispatched again only when
-    the tool is read or idempotent, or after reconciliation found it absent (or an operator
-    chose "dispatch again") and the original request can no longer land."""
+    approval consumed, the precondition re-checked, in one commit before the side effect;
+    the dispatch's ``send_deadline`` and ``landing_deadline`` computed in database time by
+    that commit. ``go`` is false when the engine refused (approval needed again,
+    precondition changed): the call's status says what happened.
+
+    A repeated dispatch by the same fence — also one sent at the same time as the first — is
+    answered with the original dispatch and its deadlines (``replayed``): the dispatch is
+    decided under the run row's lock, which every checkpoint takes first, so a concurrent
+    repeat waits for the first to commit and then reads what it recorded. An unknown outcome
+    is dispatched again only as ``_check_redispatch`` allows."""
     lease, call = _call_for_lease(tool_call_id, fence, actor)
     _honour_request(lease)
     step = lease.open_step()
     if step is None or step.id != call.step_id:
         raise InvalidState(f"the call is {call.status}; it is not the run's open step")
-    if call.status == ToolCall.Status.DISPATCHING and call.dispatch_incarnation == fence:
-        return Dispatch(True, call, "already dispatching (a retried request)")
-    if call.status not in ToolCall.OPEN:
-        # settled (a receipt, a rejection): before any compatibility check, which must never
-        # fail a call that settled
-        raise InvalidState(f"the call is {call.status}; it cannot be dispatched")
-    try:
-        tool = registry.tool(call.tool_name)
-    except UnknownTool:
-        tool = None
-    if not engine._tool_accepts(lease, step, call, tool):
-        engine._tool_changed(lease, step, call, tool)
-        call.refresh_from_db()
-        return Dispatch(False, call, "the tool changed since the call was proposed")
-    if call.status == ToolCall.Status.UNKNOWN:
-        if tool.effect not in (Effect.READ, Effect.IDEMPOTENT) and not call.redispatch_authorized:
-            raise InvalidState(
-                "the outcome is unknown: reconcile it by its idempotency key and record a "
-                "receipt (found), or report it absent, before dispatching it again"
-            )
-        can_land_until = engine._can_land_until(lease, call, tool)
-        if tool.effect not in (Effect.READ, Effect.IDEMPOTENT) and lease.now() < can_land_until:
-            raise InvalidState(
-                "the original request may still land until "
-                f"{can_land_until.isoformat()}; dispatch again after that"
-            )
-    elif call.status not in (ToolCall.Status.PROPOSED, ToolCall.Status.APPROVED):
-        raise InvalidState(f"the call is {call.status}; it cannot be dispatched")
-    token = _reported_fingerprint.set(precondition or "")
-    try:
-        engine._dispatch(lease, step, call, tool, execute=False)
-    finally:
-        _reported_fingerprint.reset(token)
+    with transaction.atomic():
+        # nothing here waits for I/O: a remote tool's precondition is the fingerprint the
+        # agent reported, and the tool call itself is the agent's, after this commit
+        Run.objects.select_for_update().filter(id=call.run_id).values_list("id").first()
+        call = ToolCall.objects.select_related("step").get(id=call.id)
+        tool = _registered(call)
+        timeout = tool.timeout if tool is not None else None
+        if call.status == ToolCall.Status.DISPATCHING and call.dispatch_incarnation == fence:
+            return Dispatch(True, call, "already dispatching (a repeated request)", True, timeout)
+        if call.status not in ToolCall.OPEN:
+            # settled (a receipt, a rejection): before any compatibility check, which must
+            # never fail a call that settled
+            raise InvalidState(f"the call is {call.status}; it cannot be dispatched")
+        if not engine._tool_accepts(lease, step, call, tool):
+            engine._tool_changed(lease, step, call, tool)
+            call.refresh_from_db()
+            return Dispatch(False, call, "the tool changed since the call was proposed")
+        if call.status == ToolCall.Status.UNKNOWN:
+            _check_redispatch(lease, call, tool)
+        elif call.status not in (ToolCall.Status.PROPOSED, ToolCall.Status.APPROVED):
+            raise InvalidState(f"the call is {call.status}; it cannot be dispatched")
+        token = _reported_fingerprint.set(precondition or "")
+        try:
+            engine._dispatch(lease, step, call, tool, execute=False)
+        finally:
+            _reported_fingerprint.reset(token)
     call.refresh_from_db()
     if call.status == ToolCall.Status.DISPATCHING:
-        return Dispatch(True, call, "")
+        return Dispatch(True, call, "", False, timeout)
     if call.status == ToolCall.Status.AWAITING_APPROVAL:
         return Dispatch(False, call, "the call needs an approval again; the lease is released")
     if call.status == ToolCall.Status.CANCELLED:
@@ -207,7 +327,126 @@ def remote_toolcall_dispatch(
     return Dispatch(False, call, f"the call is {call.status}")
 
 
-RECEIPT_OUTCOMES = ("succeeded", "failed", "unknown", "absent")
+# --- just before the request leaves ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SendClearance:
+    """The pre-send check passed: the request may leave now, and no later than
+    ``send_deadline`` (database time; ``send_seconds_left`` of it were left at the check)."""
+
+    tool_call_id: int
+    fence: int
+    attempt: int
+    dispatched_at: datetime
+    send_deadline: datetime
+    landing_deadline: datetime
+    checked_at: datetime
+
+    @property
+    def send_seconds_left(self) -> float:
+        return max(0.0, (self.send_deadline - self.checked_at).total_seconds())
+
+
+def remote_toolcall_send_check(
+    *, tool_call_id: Any, fence: int, attempt: int, actor: Actor
+) -> SendClearance:
+    """DESIGN §9 for remote agents: immediately before its tool call the agent asks, and ONE
+    query answers, whether ``fence`` still holds the running run, the call is still that
+    fence's dispatch ``attempt``, and the database's clock is before the send deadline
+    (``engine.presend_row``, the hosted worker's own check). Refused: ``LeaseLost`` (another
+    process took over, the lease was released), ``SendDeadlinePassed``, or ``InvalidState``
+    (the call is no longer that dispatch) — and the agent must not send. Writes nothing."""
+    actor.require("runs.operate_run")
+    row = engine.presend_row(tool_call_id, fence=fence, attempt=attempt)
+    if row is not None:
+        dispatched_at, send_deadline, landing_deadline, checked_at = row
+        return SendClearance(
+            int(tool_call_id),
+            fence,
+            attempt,
+            dispatched_at,
+            send_deadline,
+            landing_deadline,
+            checked_at,
+        )
+    # refused; what follows only explains the refusal to the agent
+    call = ToolCall.objects.select_related("run").filter(id=tool_call_id).first()
+    if call is None:
+        raise ToolCall.DoesNotExist(f"tool call {tool_call_id} does not exist")
+    run = call.run
+    if run.fence != fence or run.status != Run.Status.RUNNING:
+        raise LeaseLost(
+            f"fence {fence} does not hold run {run.id}'s lease: do not send; stop advancing it"
+        )
+    if (
+        call.status != ToolCall.Status.DISPATCHING
+        or call.dispatch_incarnation != fence
+        or call.attempt_count != attempt
+    ):
+        raise InvalidState(
+            f"the call is {call.status} at attempt {call.attempt_count}: not fence {fence}'s "
+            f"dispatch attempt {attempt}; do not send"
+        )
+    raise SendDeadlinePassed(
+        f"the send deadline {call.send_deadline.isoformat()} has passed: do not send; report "
+        "not_sent (or unknown) and reconcile the call",
+        send_deadline=call.send_deadline,
+        resend_after=call.landing_deadline,
+    )
+
+
+# --- reconciliation lookups --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LookupBegun:
+    call: ToolCall
+    number: int
+    started_at: datetime
+    resend_after: datetime | None
+
+    @property
+    def absent_allows_resend(self) -> bool:
+        """Whether an ``absent`` from this lookup may let the call be sent again (it began
+        after the landing deadline, or the downstream deduplicates by key)."""
+        return self.resend_after is None or self.started_at >= self.resend_after
+
+
+def remote_toolcall_lookup_begin(*, tool_call_id: Any, fence: int, actor: Actor) -> LookupBegun:
+    """Record, in database time, that a reconciliation lookup of the call by its key is
+    beginning — before the agent sends it. Its ``absent`` (a receipt naming ``number``)
+    allows a re-send only if it began after the landing deadline (``resend_after``) and is
+    still the latest lookup begun: a lookup that began earlier may have looked before the
+    original request landed."""
+    lease, call = _call_for_lease(tool_call_id, fence, actor)
+    if call.status not in (ToolCall.Status.UNKNOWN, ToolCall.Status.DISPATCHING):
+        raise InvalidState(f"the call is {call.status}: there is nothing to reconcile")
+    tool = _tool_of(call)
+    honours_key = tool is not None and tool.honours_key
+    with lease.checkpoint() as cp:
+        ToolCall.objects.filter(id=call.id).update(
+            lookups_begun=F("lookups_begun") + 1, lookup_started_at=Now()
+        )
+        call.refresh_from_db()
+        landing = None
+        if not honours_key:
+            landing = (
+                engine._can_land_until(lease, call, tool)
+                if tool is not None
+                else call.landing_deadline
+            )
+        cp.event(
+            "tool.lookup_begun",
+            seq=call.step.seq,
+            lookup=call.lookups_begun,
+            started_at=call.lookup_started_at.isoformat(),
+            resend_after=landing.isoformat() if landing else None,
+        )
+    return LookupBegun(call, call.lookups_begun, call.lookup_started_at, landing)
+
+
+RECEIPT_OUTCOMES = ("succeeded", "failed", "unknown", "not_sent", "absent")
 
 
 def remote_toolcall_receipt(
@@ -220,32 +459,46 @@ def remote_toolcall_receipt(
     external_ref: str = "",
     source: str = ToolReceipt.Source.AGENT,
     state: Any = None,
+    lookup: int | None = None,
 ) -> ToolCall:
     """``receipt_recorded`` + ``step_completed`` in one commit. ``source`` is ``agent`` (the
     tool answered) or ``reconciliation`` (a lookup by idempotency key answered).
-    ``unknown``: the call timed out or failed ambiguously, reconcile it next. ``absent``
-    (reconciliation only): the key was looked up and reliably not found; the call may be
-    dispatched again with the same key once the original request can no longer land.
-    A pause or terminate request is honoured right after the receipt is recorded."""
+    ``unknown``: the call timed out or failed ambiguously, reconcile it next. ``not_sent``
+    (agent only): the agent's own report that this attempt's request never left (the
+    pre-send check refused it) — recorded as such, and still reconciled as an unknown
+    outcome, since nothing here can verify it. ``absent`` (reconciliation only): the key was
+    looked up and reliably not found, by the lookup ``lookup`` (``remote_toolcall_lookup_
+    begin``); accepted only from the latest lookup begun, and — unless the downstream
+    deduplicates by key — only if it began after the landing deadline. Accepted, the call
+    may be dispatched again with the same key (``resend: person``: the run goes to a
+    person instead). A pause or terminate request is honoured right after the receipt is
+    recorded."""
     if outcome not in RECEIPT_OUTCOMES:
         raise InvalidInput(f"outcome must be one of {', '.join(RECEIPT_OUTCOMES)}")
     if source not in (ToolReceipt.Source.AGENT, ToolReceipt.Source.RECONCILIATION):
         raise InvalidInput("source must be agent or reconciliation")
+    reconciling = source == ToolReceipt.Source.RECONCILIATION
+    if outcome == "absent" and not reconciling:
+        raise InvalidInput("absent is what a reconciliation lookup reports")
+    if outcome == "not_sent" and reconciling:
+        raise InvalidInput("not_sent is what the agent reports of its own attempt")
+    if outcome == "absent" and lookup is None:
+        raise LookupRequired(
+            "an absent must name its lookup: begin one with POST /tool-calls/{id}/lookups/ "
+            "before looking the key up, and send its number as lookup"
+        )
     lease, call = _call_for_lease(tool_call_id, fence, actor)
     receipt = getattr(call, "receipt", None)
     if receipt is not None:
         if receipt.outcome == outcome and receipt.source == source:
             return call  # a retried request: recorded once
         raise InvalidState(f"the call already has a {receipt.outcome} receipt")
-    reconciling = source == ToolReceipt.Source.RECONCILIATION
     if reconciling and call.status not in (ToolCall.Status.UNKNOWN, ToolCall.Status.DISPATCHING):
         raise InvalidState(f"the call is {call.status}: there is nothing to reconcile")
     if not reconciling and call.status != ToolCall.Status.DISPATCHING:
         raise InvalidState(f"the call is {call.status}; only a dispatched call gets a receipt")
-    if outcome == "absent" and not reconciling:
-        raise InvalidInput("absent is what a reconciliation lookup reports")
     step = call.step
-    if outcome == "unknown":
+    if outcome in ("unknown", "not_sent"):
         if reconciling:
             with lease.checkpoint() as cp:
                 attempt = call.reconcile_attempts + 1
@@ -255,30 +508,26 @@ def remote_toolcall_receipt(
                     seq=step.seq,
                     attempt=attempt,
                     outcome="unknown",
+                    lookup=lookup,
                     detail=str(result or "")[:2000],
                 )
         else:
-            engine._mark_unknown(lease, call, str(result or "outcome unknown")[:2000])
-            if call.effect == Effect.UNSAFE:
+            detail = str(result or "outcome unknown")
+            if outcome == "not_sent":
+                detail = f"not sent (the agent's report of attempt {call.attempt_count}): {detail}"
+            engine._mark_unknown(lease, call, detail[:2000])
+            tool = _tool_of(call)
+            if tool is not None and _needs_person(tool):
                 engine._park_needs_attention(
                     lease,
                     Run.Reason.UNKNOWN_OUTCOME,
-                    f"{call.tool_name} (unsafe) may or may not have acted: {call.last_error}",
+                    f"{call.tool_name} ({call.effect}) may or may not have acted: "
+                    f"{call.last_error}",
                 )
         call.refresh_from_db()
         return call
     if outcome == "absent":
-        with lease.checkpoint() as cp:
-            attempt = call.reconcile_attempts + 1
-            ToolCall.objects.filter(id=call.id).update(
-                status=ToolCall.Status.UNKNOWN,
-                reconcile_attempts=attempt,
-                redispatch_authorized=True,
-                updated_at=timezone.now(),
-            )
-            cp.event("tool.reconcile_attempted", seq=step.seq, attempt=attempt, outcome="absent")
-        call.refresh_from_db()
-        return call
+        return _record_absent(lease, call, lookup)
     ok = outcome == "succeeded"
     with lease.checkpoint() as cp:
         if reconciling:
@@ -291,6 +540,7 @@ def remote_toolcall_receipt(
                 seq=step.seq,
                 attempt=attempt,
                 outcome="found" if ok else "failed",
+                lookup=lookup,
             )
         engine._record_receipt(
             cp, lease, call, ok=ok, result=result, external_ref=external_ref, source=source
@@ -301,5 +551,60 @@ def remote_toolcall_receipt(
         if state is not None:
             cp.update(state=state, state_version=F("state_version") + 1)
     engine._honour_request(lease)
+    call.refresh_from_db()
+    return call
+
+
+def _record_absent(lease: RemoteLease, call: ToolCall, lookup: int) -> ToolCall:
+    """An ``absent`` naming lookup ``lookup``: refused unless it is the latest lookup begun
+    and (the downstream not deduplicating) it began after the landing deadline; accepted,
+    the call stays ``unknown`` and may be dispatched again — or, ``resend: person``, the
+    run goes to a person."""
+    if call.absent_lookup == lookup and call.status == ToolCall.Status.UNKNOWN:
+        return call  # a retried report: recorded once
+    if lookup != call.lookups_begun:
+        raise LookupSuperseded(
+            f"lookup {lookup} is not the latest lookup begun ({call.lookups_begun}): report "
+            "that one, or begin a new one",
+            latest_lookup=call.lookups_begun,
+        )
+    tool = _tool_of(call)
+    honours_key = tool is not None and tool.honours_key
+    landing = (
+        engine._can_land_until(lease, call, tool) if tool is not None else call.landing_deadline
+    )
+    started = call.lookup_started_at
+    if not honours_key and (started is None or landing is None or started < landing):
+        raise LookupTooEarly(
+            f"lookup {lookup} began at {started.isoformat() if started else '?'}, before the "
+            f"original request could no longer land ({landing.isoformat() if landing else '?'})"
+            ": it may have looked before the request arrived. Begin a new lookup after "
+            "resend_after and look again",
+            resend_after=landing,
+        )
+    step = call.step
+    with lease.checkpoint() as cp:
+        attempt = call.reconcile_attempts + 1
+        ToolCall.objects.filter(id=call.id).update(
+            status=ToolCall.Status.UNKNOWN,
+            reconcile_attempts=attempt,
+            absent_lookup=lookup,
+            updated_at=timezone.now(),
+        )
+        cp.event(
+            "tool.reconcile_attempted",
+            seq=step.seq,
+            attempt=attempt,
+            outcome="absent",
+            lookup=lookup,
+            started_at=started.isoformat() if started else None,
+        )
+    if tool is not None and tool.resend == Resend.PERSON and not call.redispatch_authorized:
+        engine._park_needs_attention(
+            lease,
+            Run.Reason.UNKNOWN_OUTCOME,
+            f"{call.tool_name}: the lookup found nothing under key {call.idempotency_key}; "
+            "the tool sends again only when a person says so (resend: person)",
+        )
     call.refresh_from_db()
     return call

@@ -88,5 +88,11 @@ class Agent:
     def dispatch(self, call_id: int, **extra) -> Any:
         return self.post(f"tool-calls/{call_id}/dispatch/", extra)
 
+    def send_check(self, call_id: int, attempt: int) -> Any:
+        return self.post(f"tool-calls/{call_id}/send-check/", {"attempt": attempt})
+
+    def lookup(self, call_id: int) -> Any:
+        return self.post(f"tool-calls/{call_id}/lookups/")
+
     def receipt(self, call_id: int, **body) -> Any:
         return self.post(f"tool-calls/{call_id}/receipt/", body)

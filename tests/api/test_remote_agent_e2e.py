@@ -88,7 +88,7 @@ def test_killed_agent_is_taken_over_and_refunds_exactly_once(
     first = AgentProcess(*common, "--owner", "first", "--hold-after-tool", token=agent_token)
     try:
         key = first.wait_for("dispatching").split()[1]
-        first.wait_for("tool returned succeeded")
+        first.wait_for("tool returned succeeded", timeout=20)
     finally:
         first.kill()
     call = ToolCall.objects.get(run=run)

@@ -45,6 +45,8 @@ ENDPOINTS = {
     ("/api/v1/runs/{run_id}/waits/", "post"),
     ("/api/v1/runs/{run_id}/finish/", "post"),
     ("/api/v1/tool-calls/{tool_call_id}/dispatch/", "post"),
+    ("/api/v1/tool-calls/{tool_call_id}/send-check/", "post"),
+    ("/api/v1/tool-calls/{tool_call_id}/lookups/", "post"),
     ("/api/v1/tool-calls/{tool_call_id}/receipt/", "post"),
 }
 
@@ -126,7 +128,8 @@ DATA_DEPENDENT_400 = {
     # them holds U+0000, which PostgreSQL cannot store; a failed finish needs a reason
     "POST /api/v1/runs/{run_id}/steps/": "validation_error",
     "POST /api/v1/runs/{run_id}/tool-calls/": "validation_error",
-    "POST /api/v1/tool-calls/{tool_call_id}/receipt/": "validation_error",
+    # ... and an absent must name the lookup it reports
+    "POST /api/v1/tool-calls/{tool_call_id}/receipt/": "validation_error, lookup_required",
     "POST /api/v1/tool-calls/{tool_call_id}/resolution/": "validation_error",
     "POST /api/v1/runs/{run_id}/finish/": "validation_error",
     "POST /api/v1/runs/{run_id}/signals/": "validation_error",

@@ -323,7 +323,7 @@ def test_expired_lease_goes_back_to_queued_and_dispatching_is_unknown(run, lease
     assert unknown["id"] == call["id"] and unknown["status"] == "unknown"
     assert unknown["idempotency_key"] == f"{run.id}:1"
     # never silently dispatched again
-    assert_error(second.dispatch(call["id"]), 409, "invalid_state")
+    assert_error(second.dispatch(call["id"]), 409, "reconcile_required")
 
     found = second.receipt(
         call["id"],
@@ -347,11 +347,22 @@ def test_reconciled_absent_is_dispatched_again_with_the_same_key_once_it_cannot_
     second = Agent(client_for_second(operator), run.id)
     second.lease()
 
-    absent = second.receipt(call["id"], outcome="absent", source="reconciliation")
-    assert absent.json()["status"] == "unknown"
-    # the first request may still land: not yet
-    assert_error(second.dispatch(call["id"]), 409, "invalid_state")
-    rewind(run.id)
+    # a lookup begun while the first request may still land: its absent proves nothing
+    early = second.lookup(call["id"]).json()
+    assert early["absent_allows_resend"] is False
+    refused = second.receipt(
+        call["id"], outcome="absent", source="reconciliation", lookup=early["lookup"]
+    )
+    assert assert_error(refused, 409, "lookup_too_early")["resend_after"] == early["resend_after"]
+    assert_error(second.dispatch(call["id"]), 409, "reconcile_required")
+
+    rewind(run.id)  # the landing deadline has passed; a new lookup begins after it
+    late = second.lookup(call["id"]).json()
+    assert late["lookup"] == early["lookup"] + 1 and late["absent_allows_resend"] is True
+    absent = second.receipt(
+        call["id"], outcome="absent", source="reconciliation", lookup=late["lookup"]
+    )
+    assert absent.json()["status"] == "unknown" and absent.json()["run_status"] == "running"
     again = second.dispatch(call["id"]).json()
     assert again["go"] is True and again["idempotency_key"] == f"{run.id}:1"
     assert again["attempt"] == 2
@@ -409,11 +420,14 @@ FENCED = [
     "runs/{run}/tool-calls/",
     "runs/{run}/finish/",
     "tool-calls/{call}/dispatch/",
+    "tool-calls/{call}/send-check/",
+    "tool-calls/{call}/lookups/",
     "tool-calls/{call}/receipt/",
 ]
 VALID = {
     "runs/{run}/tool-calls/": {"tool": "lookup", "arguments": {}},
     "tool-calls/{call}/receipt/": {"outcome": "succeeded"},
+    "tool-calls/{call}/send-check/": {"attempt": 1},
 }
 
 
