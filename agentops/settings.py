@@ -212,8 +212,8 @@ REST_FRAMEWORK = {
     ],
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
-    "DEFAULT_PARSER_CLASSES": ["runs.api_common.LimitedJSONParser"],
-    "DEFAULT_METADATA_CLASS": "runs.api_common.PlainMetadata",
+    "DEFAULT_PARSER_CLASSES": ["runs.api_parsers.LimitedJSONParser"],
+    "DEFAULT_METADATA_CLASS": "runs.api_parsers.PlainMetadata",
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
     # every error is {"code", "detail"} (+ "fields" for validation_error)

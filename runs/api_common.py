@@ -12,21 +12,18 @@ from __future__ import annotations
 from typing import Any
 from urllib.parse import urlencode
 
-from django.conf import settings
 from django.core.exceptions import ObjectDoesNotExist
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
 from django.db import IntegrityError
 from django.http import Http404, JsonResponse
 from drf_spectacular.utils import OpenApiParameter, OpenApiResponse
 from rest_framework import exceptions, pagination, permissions, serializers
-from rest_framework.metadata import BaseMetadata
-from rest_framework.parsers import JSONParser
 from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
-from runs import jsonlimits
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
+from runs.api_parsers import JsonInputRefused
 from runs.events import LeaseLost, RunNotFound
 from runs.models import ApiToken
 from runs.registry import UnknownAgent, UnknownTool
@@ -107,6 +104,8 @@ def error_body(code: str, detail: str, fields: dict[str, list[str]] | None = Non
 def _translate(exc: Exception) -> tuple[str, str, dict[str, list[str]] | None] | None:
     if isinstance(exc, ApiError):
         return exc.code, str(exc.detail), exc.fields
+    if isinstance(exc, JsonInputRefused):
+        return exc.code, str(exc.detail), None
     if isinstance(exc, exceptions.ValidationError):
         fields = _flatten(exc.detail)
         return "validation_error", "The request is not valid; see fields.", fields
@@ -403,40 +402,3 @@ IDEMPOTENCY_KEY_HEADER = OpenApiParameter(
         "the same key with another body is refused (409 idempotency_key_reused)."
     ),
 )
-
-
-class LimitedJSONParser(JSONParser):
-    """DRF's JSON parser under the one JSON rule (runs.jsonlimits): a body deeper, larger
-    or with a NUL character is a 400 with its code, the same on every database."""
-
-    def parse(self, stream, media_type=None, parser_context=None):
-        parser_context = parser_context or {}
-        encoding = parser_context.get("encoding", settings.DEFAULT_CHARSET)
-        _depth, max_bytes, _string = jsonlimits.limits()
-        raw = stream.read(max_bytes + 1) if stream is not None else b""
-        if len(raw) > max_bytes:
-            raise ApiError("json_too_large", f"the body is over {max_bytes} bytes")
-        try:
-            return jsonlimits.loads(raw.decode(encoding))
-        except jsonlimits.JsonRejected as exc:
-            raise ApiError(exc.code, exc.detail) from None
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise exceptions.ParseError(f"JSON parse error - {exc}") from None
-
-
-class PlainMetadata(BaseMetadata):
-    """What ``OPTIONS`` answers on every API view: the operation's name and description,
-    the media types and the allowed methods (also in the ``Allow`` header). The shapes of
-    requests and answers are in the OpenAPI schema (/api/schema/), not guessed from a
-    serializer here: DRF's default metadata needs a ``serializer_class`` on the view and
-    answered a server error without one."""
-
-    def determine_metadata(self, request, view) -> dict[str, Any]:
-        return {
-            "name": view.get_view_name(),
-            "description": view.get_view_description(),
-            "renders": [renderer.media_type for renderer in view.renderer_classes],
-            "parses": [parser.media_type for parser in view.parser_classes],
-            "methods": sorted(view.allowed_methods),
-            "schema": "/api/schema/",
-        }
