@@ -489,6 +489,13 @@ def test_an_emailed_approval_link_approves_in_the_browser(page, console_user, sa
     assert (
         Approval.objects.get(run=run).status == Approval.Status.PENDING
     )  # opening decides nothing
+    # a link decides for its recipient, signed in (DESIGN §9): sign in, come back, decide
+    page.get_by_role("link", name="Sign in to decide").click()
+    page.get_by_label("Username").fill("oscar")
+    page.get_by_label("Password").fill(PASSWORD)
+    page.get_by_role("button", name="Sign in").click()
+    page.wait_for_url(lambda url: "/approvals/link/" in url)
+    page.get_by_label(re.compile("I have read the request")).check()
     page.get_by_role("button", name="Approve").click()
 
     expect(page.get_by_role("heading", name="This approval has been decided")).to_be_visible()
@@ -556,3 +563,30 @@ def test_every_page_fits_a_phone_screen(chromium, live_server, console_user, san
         assert not too_wide, f"pages wider than a {PHONE['width']}px phone: {too_wide}"
     finally:
         context.close()
+
+
+def test_a_scanner_that_opens_a_link_and_submits_every_form_decides_nothing(
+    page, console_user, sandbox
+):
+    run = drive(_refund_needing_approval().id)
+    (message,) = [m for m in mail.outbox if "oscar@example.com" in m.to]
+    path = re.search(r"/approvals/link/[A-Za-z0-9_-]+/", message.body).group(0)
+
+    page.goto(path)
+    # what a link-checking headless browser does: submit whatever forms the page has
+    page.evaluate("document.querySelectorAll('form').forEach((form) => form.submit())")
+    page.wait_for_load_state()
+    page.goto(path)
+
+    assert Approval.objects.get(run=run).status == Approval.Status.PENDING
+    # even in the recipient's own signed-in browser, a form sent as it is decides nothing
+    sign_in(page, "oscar")
+    page.goto(path)
+    page.evaluate(
+        "document.querySelectorAll('form.decide button[value=approve]').forEach("
+        "(button) => button.click())"
+    )
+    page.wait_for_load_state()
+
+    assert Approval.objects.get(run=run).status == Approval.Status.PENDING
+    assert not RunEvent.objects.filter(run=run, type="approval.decided").exists()

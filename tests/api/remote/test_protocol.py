@@ -13,7 +13,7 @@ from runs import engine, remote, sweeper
 from runs.actors import Actor
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.services import run_pause, run_terminate
-from tests.api.conftest import assert_error, start
+from tests.api.conftest import assert_error, client_for, start
 from tests.api.remote_support import Agent
 from tests.support import event_types, events, expire_lease, rewind
 
@@ -246,7 +246,9 @@ def test_finish_failed_needs_a_reason(run, leased):
 # --- approvals --------------------------------------------------------------------------------
 
 
-def test_large_refund_waits_for_approval_and_dispatch_consumes_it(run, leased, as_approver):
+def test_large_refund_waits_for_approval_and_dispatch_consumes_it(
+    run, leased, as_approver, second_approver
+):
     proposed = leased.propose("refund", {"order_id": "ord_1", "amount_cents": 20000}).json()
     assert proposed["decision"] == "awaiting_approval"
     approval_id = proposed["approval"]
@@ -265,6 +267,12 @@ def test_large_refund_waits_for_approval_and_dispatch_consumes_it(run, leased, a
     )
     assert decided.status_code == 200, decided.content
     assert decided.json()["decisions"][0]["edited_arguments"]["amount_cents"] == 15000
+    # an edit counts as its author's approval; one more person approves what was changed
+    assert Run.objects.get(id=run.id).status == "waiting_approval"
+    second = client_for(second_approver).post(
+        f"/api/v1/approvals/{approval_id}/decision/", {"decision": "approve"}
+    )
+    assert second.status_code == 200, second.content
     assert Run.objects.get(id=run.id).status == "queued"
 
     assert leased.lease().status_code == 200
