@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from django.db.models import Prefetch, QuerySet
+from django.db.models import Prefetch, Q, QuerySet
 
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
-from runs.models import RunEvent, Step, ToolCall
+from runs.models import ApiToken, RunEvent, Step, ToolCall
 
 
 def _visible_to(user: Any) -> QuerySet[Approval]:
@@ -157,11 +157,17 @@ def duty_conflict(*, user: Any, approval: Approval, principal_id: Any) -> str:
         return "the run's principal may not approve its own action"
     if not approval.separate_duties:
         return ""
+    label = f"user:{user.get_username()}"
+    # as themselves, or through an API token that acts as them or that they created (a
+    # service account's token a person started the run with)
+    tokens = ApiToken.objects.filter(Q(principal=user) | Q(created_by=label)).values_list(
+        "name", flat=True
+    )
     drove = (
         RunEvent.objects.filter(
             run_id=approval.run_id,
             type__in=DRIVING_EVENTS,
-            actor=f"user:{user.get_username()}",
+            actor__in=[label, *(f"token:{name}" for name in tokens)],
         )
         .values_list("type", flat=True)
         .first()

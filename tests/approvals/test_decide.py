@@ -265,6 +265,54 @@ def test_principal_cannot_approve_their_own_run(sandbox, system_actor, approver)
     assert _snapshot(run) == before
 
 
+@pytest.mark.django_db
+def test_whoever_started_the_run_cannot_approve_its_calls(sandbox, approver, second_approver):
+    """Separation of duties (DESIGN §9): the approver who started the run (as themselves or
+    through a service account's token they created) does not approve it; someone else may."""
+    approver.groups.add(Group.objects.get(name="operator"))  # on call: starts runs too
+    run = drive(
+        run_create(
+            agent_name="refund",
+            input=LARGE_REFUND,
+            actor=Actor.for_user(approver, "web"),
+            principal=second_approver,  # acting for someone else: still the one who started it
+        ).id
+    )
+    approval = Approval.objects.get(run=run)
+    before = _snapshot(run)
+
+    error = _refused(PermissionDenied, approval, approver)
+
+    assert "drove this run (run.created)" in str(error)
+    assert _snapshot(run) == before
+    assert "approval.decided" not in [e.type for e in RunEvent.objects.filter(run=run)]
+
+
+@pytest.mark.django_db
+def test_starting_a_run_through_a_token_one_created_counts_as_driving_it(
+    sandbox, approver, django_user_model
+):
+    from runs.models import ApiToken
+
+    service = django_user_model.objects.create_user("svc-refunds")
+    service.groups.add(Group.objects.get(name="operator"))
+    # an admin may have created it for them: what counts is whose label it carries
+    token = ApiToken.objects.create(
+        name="refund-bot",
+        prefix="ao_x",
+        token_hash="0" * 64,
+        principal=service,
+        created_by=f"user:{approver.get_username()}",
+    )
+    actor = Actor(label=f"token:{token.name}", channel="api", user=service)
+    run = drive(run_create(agent_name="refund", input=LARGE_REFUND, actor=actor).id)
+    approval = Approval.objects.get(run=run)
+
+    error = _refused(PermissionDenied, approval, approver)
+
+    assert "separation of duties" in str(error)
+
+
 @pytest.fixture
 def two_person_tool(register):
     body = CountingTool()
