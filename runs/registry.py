@@ -272,6 +272,12 @@ NOT_IN_FINGERPRINT = frozenset(
         "version",
         "compatible_with",
         "declared_version",
+        # what the downstream honours is configuration of how the engine treats an unknown
+        # outcome (the demo's follows AGENTOPS_SANDBOX_HONOURS), not what the tool does: a
+        # changed declaration must not retire every call in flight
+        "honours_key",
+        "honours_deadline",
+        "resend",
     }
 )
 _FINGERPRINT_LENGTH = 16  # hex characters; ToolCall.tool_version holds up to 64
