@@ -49,6 +49,9 @@ class Lease:
     claimed_monotonic: float = field(default_factory=time.monotonic)
     # what the decision being recorded cost (an LLM agent's tokens): written with it
     decision_usage: Usage | None = None
+    # monotonic clock when the latest ``dispatching`` commit was prepared: the tool's local
+    # send budget starts here, before the statement that computes its deadlines (DESIGN §9)
+    dispatch_started: float | None = None
 
     @property
     def actor(self) -> str:

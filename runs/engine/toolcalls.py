@@ -233,7 +233,7 @@ def _presend_check(lease: Lease, call: ToolCall, tool: Tool) -> ToolContext:
             "could leave"
         )
     call.dispatched_at, call.send_deadline, call.landing_deadline, _now = row
-    started = getattr(lease, "dispatch_started", None) or checked_at
+    started = lease.dispatch_started or checked_at
     return ToolContext(
         run_id=str(lease.run.id),
         idempotency_key=call.idempotency_key,
@@ -241,7 +241,7 @@ def _presend_check(lease: Lease, call: ToolCall, tool: Tool) -> ToolContext:
         timeout=tool.timeout,
         fence=lease.fence,
         send_deadline=call.send_deadline,
-        send_by=started + min(_conf("SEND_WINDOW"), _conf("LEASE_TTL")),
+        send_by=started + _deadline_offsets(tool)[0],
         finish_by=checked_at + tool.timeout,
     )
 
