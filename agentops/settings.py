@@ -8,6 +8,7 @@ docs/operations.md lists every variable.
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import warnings
 from pathlib import Path
@@ -50,6 +51,24 @@ INSTALLED_APPS = [
     "approvals",
     "agentops.demo",
 ]
+
+# Third-party agent apps (docs/agents.md, "Registering"): Django apps whose AppConfig.ready()
+# registers their tools and agents, named without editing this file. Every web process and
+# worker must be started with the same list.
+AGENTOPS_APPS = env_list("AGENTOPS_APPS", [])
+for _app in AGENTOPS_APPS:
+    if _app in INSTALLED_APPS:
+        raise ImproperlyConfigured(f"AGENTOPS_APPS names {_app}, which is already installed")
+    try:
+        _found = importlib.util.find_spec(_app)
+    except (ImportError, ValueError):
+        _found = None
+    if _found is None:
+        raise ImproperlyConfigured(
+            f"AGENTOPS_APPS names {_app}, which cannot be imported "
+            "(installed in this virtualenv, or on PYTHONPATH?)"
+        )
+INSTALLED_APPS += AGENTOPS_APPS
 
 MIDDLEWARE = [
     # /healthz, /healthz/workers, /metrics: answered before Host validation (probes and
