@@ -37,6 +37,9 @@ class Run(models.Model):
         APPROVAL_EXPIRED = "approval_expired"
         OPERATOR_TERMINATED = "operator_terminated"
         AGENT_FAILED = "agent_failed"
+        # a tool's precondition raised (its resource deleted, its service down): the call
+        # waits for a person instead of crashing every incarnation up to the recovery limit
+        PRECONDITION_FAILED = "precondition_failed"
 
     class Request(models.TextChoices):
         """An operator's request the lease holder honours at its next boundary."""

@@ -483,21 +483,56 @@ def _limits(run: Run) -> dict[str, Any]:
     }
 
 
+# Parks whose cause a deploy or a fix elsewhere can remove: a retry queues the run again and
+# the engine checks everything again at the claim (and parks it again if nothing changed).
+RETRYABLE = (
+    Run.Reason.RECOVERY_LIMIT,
+    Run.Reason.INCOMPATIBLE_AGENT_VERSION,
+    Run.Reason.PRECONDITION_FAILED,
+)
+
+
 def run_retry_recovery(*, run_id: Any, actor: Actor) -> Run:
-    """A dead-lettered run (recovered more than ``MAX_RECOVERIES`` times) gets another go.
-    ``recovery_count`` is history and is kept; the limit counts recoveries from here."""
+    """Another go for a run parked for a cause that may be gone: a dead-lettered run
+    (recovered more than ``MAX_RECOVERIES`` times: ``recovery_count`` is history and is kept,
+    the limit counts recoveries from here), one whose state migration was missing (refused
+    while no migration path is deployed), or one whose tool precondition raised."""
     actor.require("runs.operate_run")
     with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
-        run = Run.objects.only("status", "reason_code", "recovery_count").get(id=run_id)
-        if not (
-            run.status == Run.Status.NEEDS_ATTENTION
-            and run.reason_code == Run.Reason.RECOVERY_LIMIT
-        ):
-            raise InvalidState("only a run stopped at its recovery limit can be retried")
-        cp.event("run.recovery_retried", by=actor.label, recovery_count=run.recovery_count)
-        cp.update(recovery_count_at_retry=run.recovery_count)
+        run = Run.objects.only(
+            "status", "reason_code", "recovery_count", "agent_name", "agent_version"
+        ).get(id=run_id)
+        if not (run.status == Run.Status.NEEDS_ATTENTION and run.reason_code in RETRYABLE):
+            raise InvalidState(
+                "only a run stopped at its recovery limit, for a missing state migration or "
+                "for a failing tool precondition can be retried"
+            )
+        if run.reason_code == Run.Reason.INCOMPATIBLE_AGENT_VERSION:
+            _require_migration_path(run)
+        cp.event(
+            "run.recovery_retried",
+            by=actor.label,
+            recovery_count=run.recovery_count,
+            reason=run.reason_code,
+        )
+        if run.reason_code == Run.Reason.RECOVERY_LIMIT:
+            cp.update(recovery_count_at_retry=run.recovery_count)
         _requeue(cp, run_id)
     return Run.objects.get(id=run_id)
+
+
+def _require_migration_path(run: Run) -> None:
+    try:
+        agent = registry.agent(run.agent_name)
+    except UnknownAgent:
+        raise InvalidState(
+            f"agent {run.agent_name!r} is not registered on this server: deploy it, then retry"
+        ) from None
+    if agent.migration_path(run.agent_version) is None:
+        raise InvalidState(
+            f"no state migration leads from {run.agent_name} version {run.agent_version} to "
+            f"the registered version {agent.version}: deploy one, then retry; or fork the run"
+        )
 
 
 # --- forking (DESIGN §5.2) --------------------------------------------------------------------

@@ -221,6 +221,8 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
         case "run.budget_topped_up":
             return f"budget topped up by {by}: {_limits_change(p)}"
         case "run.recovery_retried":
+            if p.get("reason") not in (None, "recovery_limit"):
+                return f"retried by {by} after {p['reason']}"
             return f"recovery retried by {by} (recovered {p.get('recovery_count')} times so far)"
         case "run.forked":
             if p.get("to_run"):

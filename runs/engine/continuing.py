@@ -14,6 +14,7 @@ from runs.engine.toolcalls import (
     _fail_step,
     _fail_step_in,
     _mark_unknown,
+    _precondition,
     _reconcile,
 )
 from runs.gate import get_gate
@@ -164,7 +165,9 @@ def _rebind_to_tool_version(lease: Lease, step: Step, call: ToolCall, tool: Tool
     """A call not yet dispatched whose tool changed version: an approval given for the old
     version is not valid for the new one (the approver approved another tool), so it is
     cancelled and, if the new version's policy asks for one, requested again."""
-    fingerprint = tool.precondition(call.arguments) if tool.precondition else ""
+    fingerprint = _precondition(lease, tool, call)
+    if fingerprint is None:
+        return Outcome.PARKED
     needs_approval = tool.approval.requires_approval(call.arguments)
     previous = call.tool_version
     with lease.checkpoint() as cp:

@@ -13,6 +13,7 @@ from runs.engine.lease import (
     Lease,
     Outcome,
     _conf,
+    _describe,
     _finish,
     _pause_principal_revoked_in,
     _principal_refusal,
@@ -108,7 +109,12 @@ def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tr
         return _rejected_call(
             lease, action, seq, "arguments do not match the schema: " + "; ".join(errors)
         )
-    fingerprint = tool.precondition(arguments) if tool.precondition else ""
+    try:
+        fingerprint = tool.precondition(arguments) if tool.precondition else ""
+    except Exception as exc:
+        # nothing is dispatched or approved yet: the agent sees a refused call (the resource
+        # it names may be gone) rather than the run crashing in every incarnation
+        return _rejected_call(lease, action, seq, f"precondition raised: {_describe(exc)}")
     needs_approval = tool.approval.requires_approval(arguments)
     if needs_approval and not gate_installed():
         return _rejected_call(

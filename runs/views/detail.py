@@ -141,7 +141,7 @@ def _available(run: Run) -> dict[str, bool]:
         "terminate": status not in Run.TERMINAL,
         "budget": status not in Run.TERMINAL
         and (not attention or run.reason_code == Run.Reason.BUDGET_EXHAUSTED),
-        "retry_recovery": attention and run.reason_code == Run.Reason.RECOVERY_LIMIT,
+        "retry_recovery": attention and run.reason_code in services.RETRYABLE,
         # a run being driven is refused by the service with a clear message; offering the
         # form regardless keeps the panel the same while a run flips between queued and
         # running every slice (the panel reloads only when this set changes)
@@ -157,7 +157,10 @@ NEXT_STEP = {
     Run.Reason.RECOVERY_LIMIT: "It kept crashing: read the incarnations below, then retry "
     "recovery, fork it, or terminate it.",
     Run.Reason.INCOMPATIBLE_AGENT_VERSION: "No state migration reaches the registered "
-    "version: fork it onto that version from a completed step, or terminate it.",
+    "version: deploy one and retry, fork it onto that version from a completed step, or "
+    "terminate it.",
+    Run.Reason.PRECONDITION_FAILED: "A tool's precondition raised: fix what it checks (or "
+    "deploy a fixed tool) and retry, fork it from an earlier step, or terminate it.",
     Run.Reason.TOOL_RETIRED: "A tool it needs is retired: fork it from an earlier step, or "
     "terminate it.",
     Run.Reason.PRINCIPAL_REVOKED: "Its principal may no longer use a tool: restore their "

@@ -230,6 +230,29 @@ def test_a_run_that_needs_a_person_says_what_to_do(client, viewer, reader, syste
     assert "What to do:</strong> No state migration reaches the registered version" in html
 
 
+def test_a_run_whose_precondition_raised_offers_a_retry(client, operator, reader, system_actor):
+    run = _new(system_actor)
+    Run.objects.filter(id=run.id).update(
+        status=Run.Status.NEEDS_ATTENTION,
+        reason_code=Run.Reason.PRECONDITION_FAILED,
+        reason_detail="the precondition of refund_payment raised: KeyError: 'ord_1'",
+    )
+    client.force_login(operator)
+
+    html = client.get(_url("detail", run)).content.decode()
+
+    assert "What to do:</strong> A tool&#x27;s precondition raised" in html
+    assert f'action="{_url("retry_recovery", run)}"' in html
+    assert ">Retry</button>" in html
+
+    response = client.post(_url("retry_recovery", run), {})
+
+    assert response.status_code in (200, 302)
+    run.refresh_from_db()
+    assert run.status == Run.Status.QUEUED
+    assert "retried by user:" in client.get(_url("detail", run)).content.decode()
+
+
 def test_long_run_shows_the_latest_events_and_loads_older_ones(
     client, viewer, reader, system_actor
 ):

@@ -25,9 +25,11 @@ from runs.registry import (
 )
 from runs.services import (
     InvalidInput,
+    InvalidState,
     run_create,
     run_fork,
     run_resume,
+    run_retry_recovery,
     run_terminate,
     toolcall_resolve,
 )
@@ -659,3 +661,101 @@ def test_a_change_declared_compatible_keeps_the_approval_and_is_recorded(approve
     assert events(run.id, "tool.version_changed") == []
     # the call keeps the fingerprint it was decided and approved under
     assert ToolCall.objects.get(run=run).tool_version == old_tool.version
+
+
+# --- parks with a way out ----------------------------------------------------------------------
+
+
+def test_a_run_parked_for_a_missing_migration_resumes_once_one_is_deployed(
+    register, system_actor, olivia
+):
+    register(_counter("1"))
+    run = run_create(agent_name="versioned", actor=system_actor)
+    Run.objects.filter(id=run.id).update(state={"count": 2})
+    registry.register_agent(_counter("2"))  # deployed without a migration
+    run = drive(run.id)
+    assert (run.status, run.reason_code) == (
+        Run.Status.NEEDS_ATTENTION,
+        "incompatible_agent_version",
+    )
+
+    # retrying before a migration exists is refused and says what to do
+    with (
+        pytest.raises(InvalidState, match="no state migration leads from versioned version 1"),
+        transaction.atomic(),
+    ):
+        run_retry_recovery(run_id=run.id, actor=olivia)
+    run.refresh_from_db()
+    assert run.status == Run.Status.NEEDS_ATTENTION
+
+    registry.register_agent(_counter("2", migrations=[("1", "2", lambda s: {"n": s["count"]})]))
+    run_retry_recovery(run_id=run.id, actor=olivia)
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result == {"n": 2}
+    assert events(run.id, "run.recovery_retried")[0].payload["reason"] == (
+        "incompatible_agent_version"
+    )
+    assert [e.payload["to"] for e in events(run.id, "run.migrated")] == ["2"]
+
+
+@pytest.fixture
+def fragile(register):
+    """A refund whose precondition reads a resource that can disappear."""
+    body = CountingTool()
+    world: dict = {"order": {"balance": 100}}
+
+    def precondition(arguments):
+        return f"balance={world['order']['balance']}"  # KeyError once the order is gone
+
+    def decide(ctx):
+        if not ctx.steps:
+            return CallTool("fragile_refund", {"order": "o1"})
+        return Finish({"status": ctx.last_step.status, "error": ctx.last_step.error})
+
+    tool = make_tool("fragile_refund", body, effect=Effect.IDEMPOTENT, approval=ALWAYS)
+    tool.precondition = precondition
+    register(tool, ScriptedAgent("fragile", decide, tools=("fragile_refund",)))
+    return body, world
+
+
+def test_a_precondition_that_raises_at_dispatch_parks_the_run_once_with_the_error(
+    fragile, system_actor, approver, olivia
+):
+    body, world = fragile
+    run = drive(run_create(agent_name="fragile", actor=system_actor).id)
+    _approve(run, approver)
+    world.pop("order")  # the resource was deleted while the approval waited
+
+    run = drive(run.id)
+
+    assert (run.status, run.reason_code) == (Run.Status.NEEDS_ATTENTION, "precondition_failed")
+    assert "KeyError" in run.reason_detail and "fragile_refund" in run.reason_detail
+    assert run.recovery_count == 0  # parked at once, no crash loop
+    assert body.calls == []
+    assert ToolCall.objects.get(run=run).status == ToolCall.Status.APPROVED
+
+    world["order"] = {"balance": 100}  # the resource is back, unchanged
+    run_retry_recovery(run_id=run.id, actor=olivia)
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result["status"] == "completed"
+    assert len(body.calls) == 1
+    assert Approval.objects.get(run=run).consumed_at is not None
+
+
+def test_a_precondition_that_raises_when_the_call_is_decided_is_a_refused_call(
+    fragile, system_actor
+):
+    body, world = fragile
+    world.pop("order")
+
+    run = drive(run_create(agent_name="fragile", actor=system_actor).id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result["status"] == "failed"
+    assert run.result["error"].startswith("precondition raised: KeyError")
+    assert not ToolCall.objects.filter(run=run).exists()
+    assert body.calls == []
