@@ -40,6 +40,9 @@ class Run(models.Model):
         # a tool's precondition raised (its resource deleted, its service down): the call
         # waits for a person instead of crashing every incarnation up to the recovery limit
         PRECONDITION_FAILED = "precondition_failed"
+        # the model the run is pinned to is gone (withdrawn by its provider): a person moves
+        # the run to the configured model (retry) instead of the run failing for good
+        MODEL_UNAVAILABLE = "model_unavailable"
 
     class Request(models.TextChoices):
         """An operator's request the lease holder honours at its next boundary."""

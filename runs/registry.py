@@ -588,6 +588,13 @@ class DecisionPostponed(Exception):
         self.retry_after = retry_after
 
 
+class ModelWithdrawn(Exception):
+    """``decide`` cannot answer because the model the run is pinned to no longer exists (its
+    provider withdrew it): asking again later would get the same answer, and failing the
+    run would throw its work away, so it waits for a person (``model_unavailable``) who
+    moves it to the configured model."""
+
+
 @dataclass(frozen=True)
 class StepView:
     seq: int

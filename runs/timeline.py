@@ -227,7 +227,14 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
         case "run.forked":
             if p.get("to_run"):
                 return f"forked by {by} from step #{p.get('from_step')} to run {p['to_run']}"
-            return f"forked by {by} from run {p.get('from_run')} at step #{p.get('from_step')}"
+            text = f"forked by {by} from run {p.get('from_run')} at step #{p.get('from_step')}"
+            if isinstance(p.get("principal"), dict):
+                text += f", acting as {p['principal'].get('to')} (was {p['principal'].get('from')})"
+            if isinstance(p.get("model"), dict):
+                text += f", on model {p['model'].get('to')} (was {p['model'].get('from')})"
+            if p.get("carried_signals"):
+                text += f", with signals {', '.join(map(str, p['carried_signals']))}"
+            return text
         case "run.succeeded" | "run.failed":
             reason = f": {p['reason']}" if p.get("reason") else ""
             return f"{event_type.split('.')[1]}{reason}"

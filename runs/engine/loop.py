@@ -31,7 +31,7 @@ from runs.engine.lease import (
 from runs.engine.toolcalls import _LeaseKeeper
 from runs.events import LeaseLost, checkpoint
 from runs.models import Run, Step
-from runs.registry import Decision, DecisionContext, DecisionPostponed, StepView
+from runs.registry import Decision, DecisionContext, DecisionPostponed, ModelWithdrawn, StepView
 
 
 def advance(run_id: Any, *, worker: str) -> str:
@@ -247,6 +247,11 @@ def _advance_once(lease: Lease) -> str:
         with lease.checkpoint() as cp:
             cp.event("agent.postponed", detail=_describe(exc), retry_in_seconds=exc.retry_after)
             _release_in(cp, wake_at=wake_at)
+        return Outcome.PARKED
+    except ModelWithdrawn as exc:
+        # Not the agent's fault either, and waiting will not bring the model back: a person
+        # moves the run to the configured model (retry) or forks it — its work is kept.
+        _park_needs_attention(lease, Run.Reason.MODEL_UNAVAILABLE, _describe(exc))
         return Outcome.PARKED
     except Exception as exc:
         # The agent's own code failed: a clear, recorded failure, never a crash loop.

@@ -96,6 +96,7 @@ class ForkForm(forms.Form):
         max_value=2**31 - 1,
         error_messages={"required": "Choose the last finished step the new run carries over."},
     )
+    as_me = forms.BooleanField(required=False)
 
 
 class EmptyForm(forms.Form):
@@ -159,6 +160,8 @@ NEXT_STEP = {
     Run.Reason.INCOMPATIBLE_AGENT_VERSION: "No state migration reaches the registered "
     "version: deploy one and retry, fork it onto that version from a completed step, or "
     "terminate it.",
+    Run.Reason.MODEL_UNAVAILABLE: "The model it is pinned to is gone: retry to move it to the "
+    "configured model (recorded), fork it, or terminate it.",
     Run.Reason.PRECONDITION_FAILED: "A tool's precondition raised: fix what it checks (or "
     "deploy a fixed tool) and retry, fork it from an earlier step, or terminate it.",
     Run.Reason.TOOL_RETIRED: "A tool it needs is retired: fork it from an earlier step, or "
@@ -492,7 +495,7 @@ def run_fork_view(request: HtmxHttpRequest, run_id: Any) -> HttpResponse:
         "fork",
         "fork this run",
         lambda actor, data: services.run_fork(
-            run_id=run_id, actor=actor, from_step=data["from_step"]
+            run_id=run_id, actor=actor, from_step=data["from_step"], as_me=data["as_me"]
         ),
         lambda fork: (
             f"Forked from step #{fork.forked_from_step} onto {fork.agent_name} "

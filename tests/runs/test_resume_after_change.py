@@ -21,6 +21,7 @@ from runs.registry import (
     OutcomeUnknown,
     Tool,
     ToolResult,
+    WaitForSignal,
     registry,
 )
 from runs.services import (
@@ -33,6 +34,7 @@ from runs.services import (
     run_terminate,
     toolcall_resolve,
 )
+from runs.timeline import describe
 from tests.conftest import drive
 from tests.support import (
     CountingTool,
@@ -759,3 +761,68 @@ def test_a_precondition_that_raises_when_the_call_is_decided_is_a_refused_call(
     assert run.result["error"].startswith("precondition raised: KeyError")
     assert not ToolCall.objects.filter(run=run).exists()
     assert body.calls == []
+
+
+def test_a_fork_carries_the_signals_the_old_run_received_but_did_not_consume(
+    register, system_actor, olivia
+):
+    from runs.waits import run_signal
+
+    body = CountingTool()
+
+    def decide(ctx):
+        if not ctx.steps:
+            return CallTool("versioned_read", {"n": 0})
+        if len(ctx.steps) == 1:
+            return WaitForSignal("go")
+        return Finish({"go": ctx.last_step.output})
+
+    register(
+        make_tool("versioned_read", body),
+        ScriptedAgent("signalled", decide, tools=("versioned_read",)),
+    )
+    run = drive(run_create(agent_name="signalled", actor=system_actor).id)
+    assert run.status == Run.Status.WAITING_EVENT
+    with transaction.atomic():
+        run_signal(run_id=run.id, name="go", payload={"ok": 1}, actor=olivia)
+    # an early signal for a later wait, kept by the old run
+    with transaction.atomic():
+        run_signal(run_id=run.id, name="later", payload=None, actor=olivia)
+
+    # the fork leaves the wait that consumed "go" behind: both signals come with it
+    fork = run_fork(run_id=run.id, actor=olivia, from_step=1)
+    fork = drive(fork.id)
+
+    assert fork.status == Run.Status.SUCCEEDED
+    assert fork.result == {"go": {"ok": 1}}
+    forked = events(fork.id, "run.forked")[0].payload
+    assert forked["carried_signals"] == ["go", "later"]
+    assert len(body.calls) == 1  # the carried read was not repeated
+
+
+def test_a_fork_can_act_as_the_person_who_forks_it_and_says_so(
+    register, system_actor, operator, olivia, django_user_model
+):
+    body = CountingTool()
+    decide = lambda ctx: CallTool("versioned_read", {"n": 0}) if not ctx.steps else Finish({})  # noqa: E731
+    register(
+        make_tool("versioned_read", body), ScriptedAgent("owned", decide, tools=("versioned_read",))
+    )
+    leaver = django_user_model.objects.create_user(username="leaver", password="pw")
+    leaver.groups.add(Group.objects.get(name="operator"))
+    run = drive(run_create(agent_name="owned", actor=Actor.for_user(leaver, "web")).id)
+    assert run.status == Run.Status.SUCCEEDED
+    leaver.is_active = False  # left the company: a fork acting as them would pause at once
+    leaver.save()
+
+    fork = run_fork(run_id=run.id, actor=olivia, from_step=1, as_me=True)
+
+    assert fork.principal_id == operator.pk
+    forked = events(fork.id, "run.forked")[0]
+    assert forked.payload["principal"] == {"from": "leaver", "to": operator.get_username()}
+    assert f"acting as {operator.get_username()} (was leaver)" in describe(
+        forked.type, forked.payload
+    )
+    assert drive(fork.id).status == Run.Status.SUCCEEDED
+    with pytest.raises(InvalidInput), transaction.atomic():
+        run_fork(run_id=fork.id, actor=system_actor, from_step=1, as_me=True)

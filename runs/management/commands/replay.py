@@ -26,7 +26,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
-from runs.llm import LLMAgent, ModelError, ModelUnavailable, call_records
+from runs.llm import LLMAgent, ModelError, ModelUnavailable, ModelWithdrawn, call_records
 from runs.models import Run, RunEvent, Step, ToolCall
 from runs.registry import (
     Action,
@@ -125,7 +125,7 @@ class Command(BaseCommand):
                         model=model,
                         max_output=config.max_output_tokens,
                     )
-                except (ModelUnavailable, ModelError) as exc:
+                except (ModelUnavailable, ModelError, ModelWithdrawn) as exc:
                     raise CommandError(
                         f"step {step.seq}: the model could not be asked: {exc}"
                     ) from None
