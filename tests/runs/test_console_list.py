@@ -483,7 +483,11 @@ def test_bulk_retry_recovery_only_moves_dead_lettered_runs(client, operator, sys
     results = _bulk_results(response.content.decode())
     assert results == {
         str(dead.id): (True, "queued for another recovery"),
-        str(unknown.id): (False, "only a run stopped at its recovery limit can be retried"),
+        str(unknown.id): (
+            False,
+            "only a run stopped at its recovery limit, for a missing state migration, a "
+            "failing tool precondition or a model that is gone can be retried",
+        ),
     }
     dead.refresh_from_db()
     unknown.refresh_from_db()
