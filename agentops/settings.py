@@ -309,6 +309,9 @@ AGENTOPS = {
     "SWEEP_INTERVAL": env_float("AGENTOPS_SWEEP_INTERVAL", 1.0),
     # an enqueued run not claimed within this long is enqueued again (duplicates are harmless)
     "REQUEUE_AFTER": env_float("AGENTOPS_REQUEUE_AFTER", 10.0),
+    # rolling deploys: a run this worker's code cannot serve, handed to a live worker that
+    # can, is claimable again after this many seconds (runs/engine/serving.py)
+    "HANDOFF_DELAY": env_float("AGENTOPS_HANDOFF_DELAY", 1.0),
     # one task advances at most this many steps / seconds, then yields to other runs
     "SLICE_STEPS": env_int("AGENTOPS_SLICE_STEPS", 50),
     "SLICE_SECONDS": env_float("AGENTOPS_SLICE_SECONDS", 60.0),

@@ -341,6 +341,7 @@ EVENT_TYPES = sorted(
         "run.created",
         "run.claimed",
         "run.released",
+        "run.handed_off",
         "run.lease_lost",
         "step.decided",
         "approval.requested",

@@ -508,6 +508,9 @@ class Worker(models.Model):
     last_task_at = models.DateTimeField(null=True, blank=True)
     health = models.CharField(max_length=20, choices=Health.choices, default=Health.STARTING)
     detail = models.TextField(blank=True)
+    # what this process's code can drive (``Registry.serves``): agent versions and tool
+    # fingerprints, so a run it cannot serve goes to a worker that can (rolling deploys)
+    serves = models.JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["name"]

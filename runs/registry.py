@@ -730,6 +730,20 @@ class Registry:
     def tools(self) -> list[Tool]:
         return sorted(self._tools.values(), key=lambda t: t.name)
 
+    def serves(self) -> dict[str, Any]:
+        """What a worker with this registry can drive, recorded on its ``Worker`` row so that
+        during a rolling deploy a worker hands a run it cannot serve to one that can: each
+        hosted agent's version and every version a migration path leads from, each tool's
+        fingerprint and the ones it declares ``compatible_with``."""
+        agents: dict[str, list[str]] = {}
+        for agent in self.agents():
+            versions = {agent.version} | {source for source, _target, _fn in agent.migrations}
+            agents[agent.name] = sorted(
+                v for v in versions if v == agent.version or agent.migration_path(v) is not None
+            )
+        tools = {t.name: sorted({t.version, *t.compatible_with}) for t in self.tools()}
+        return {"agents": agents, "tools": tools}
+
     def unguarded_tools(self) -> list[Tool]:
         """Registered tools whose unknown outcome is re-sent by themselves after an absent
         lookup, to a downstream that honours neither the key nor the send deadline: for

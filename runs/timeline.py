@@ -168,7 +168,12 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
         case "run.migrated":
             return f"state migrated from v{p.get('from')} to v{p.get('to')}"
         case "run.model_changed":
+            if p.get("by"):
+                return f"model changed from {p.get('from')} to {p.get('to')} by {p['by']}"
             return f"model changed from {p.get('from')} to {p.get('to')} (agent follows its model)"
+        case "run.handed_off":
+            to = ", ".join(map(str, p.get("to") or ()))
+            return f"{p.get('worker')} handed the run to {to}: {p.get('reason')}"
         case "run.model_pinned":
             return f"model pinned: {p.get('model')}"
         case "step.decided":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from django.utils import timezone
 
+from runs.engine import serving
 from runs.engine.deciding import _continue_wait
 from runs.engine.lease import Lease, Outcome, _park_needs_attention, _release
 from runs.engine.toolcalls import (
@@ -128,6 +129,8 @@ def _tool_changed(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -
         if tool is None
         else f"tool {call.tool_name!r} changed from version {call.tool_version} to {tool.version}"
     )
+    if serving.hand_off(lease, detail, tool=(call.tool_name, call.tool_version)):
+        return Outcome.PARKED  # a worker of the release that decided the call serves it
     if call.status in (ToolCall.Status.DISPATCHING, ToolCall.Status.UNKNOWN):
         if call.status == ToolCall.Status.DISPATCHING:
             _mark_unknown(lease, call, "left in dispatching; " + detail)

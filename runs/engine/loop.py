@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 from runs import logs, services, tracing, transitions
+from runs.engine import serving
 from runs.engine.claim import claim
 from runs.engine.continuing import _continue_step
 from runs.engine.deciding import _decide
@@ -112,6 +113,8 @@ def _drive(lease: Lease) -> str:
 
 def _drive_slice(lease: Lease) -> str:
     if lease.agent is None:
+        if serving.hand_off(lease, f"agent {lease.run.agent_name!r} is not registered here"):
+            return "handed_off"
         _park_needs_attention(
             lease,
             Run.Reason.INCOMPATIBLE_AGENT_VERSION,
@@ -162,6 +165,9 @@ def _migrate_agent_version(lease: Lease) -> bool:
         return True
     path = agent.migration_path(run.agent_version)
     if path is None:
+        why = f"{run.agent_name} version {run.agent_version}: this worker runs {agent.version}"
+        if serving.hand_off(lease, why):
+            return False
         _park_needs_attention(
             lease,
             Run.Reason.INCOMPATIBLE_AGENT_VERSION,

@@ -57,5 +57,8 @@ def build(release: str = RELEASE) -> tuple[Tool, Agent]:
         effect=Effect.READ,
         call=_read_v2 if release == "2" else _read_v1,
         schema={"type": "object", "properties": {"n": {"type": "integer"}}},
+        # release 2 knows release 1's tool and declares it compatible on purpose (a call
+        # decided under it goes on); release 1 cannot know release 2's
+        compatible_with=(build("1")[0].version,) if release == "2" else (),
     )
     return tool, Rolling(release)
