@@ -164,8 +164,9 @@ NEXT_STEP = {
     "configured model (recorded), fork it, or terminate it.",
     Run.Reason.PRECONDITION_FAILED: "A tool's precondition raised: fix what it checks (or "
     "deploy a fixed tool) and retry, fork it from an earlier step, or terminate it.",
-    Run.Reason.TOOL_RETIRED: "A tool it needs is retired: fork it from an earlier step, or "
-    "terminate it.",
+    Run.Reason.TOOL_RETIRED: "A call was in flight when its tool changed or was retired, so "
+    "its outcome is unknown: check the external system, then resolve the call in the "
+    "unknown-outcomes inbox (or fork the run from an earlier step, or terminate it).",
     Run.Reason.PRINCIPAL_REVOKED: "Its principal may no longer use a tool: restore their "
     "access, then resume it.",
 }
