@@ -627,6 +627,9 @@ class Agent:
     description: str = ""
     input_schema: Mapping[str, Any] = {"type": "object"}
     tools: tuple[str, ...] = ()
+    # input fields people look runs up by (an order id, a customer): the runs list's search
+    # box finds a run whose input has the searched text as one of these fields' values
+    searchable_input: tuple[str, ...] = ()
     # State migrations, ``(from_version, to_version, migrate)``: a run started on an older
     # version is upgraded hop by hop when it is claimed (DESIGN §5.2). With no path from the
     # run's version to this one the run waits for a person (fork or terminate).

@@ -25,6 +25,49 @@ from typing import Any
 
 from runs import jsonlimits
 
+# Every event type the engine, the services and the approvals app write (DESIGN §2 and the
+# additions since). The admin's filter and the console's event search offer
+# these; any other type is still found by search.
+EVENT_TYPES = sorted(
+    {
+        "run.created",
+        "run.claimed",
+        "run.released",
+        "run.handed_off",
+        "run.lease_lost",
+        "step.decided",
+        "approval.requested",
+        "approval.decided",
+        "approval.commented",
+        "approval.expired",
+        "approval.cancelled",
+        "tool.dispatching",
+        "tool.succeeded",
+        "tool.failed",
+        "tool.unknown",
+        "tool.reconcile_attempted",
+        "tool.resolved",
+        "run.migrated",
+        "run.model_changed",
+        "run.model_pinned",
+        "run.forked",
+        "run.paused",
+        "run.pause_requested",
+        "run.resumed",
+        "run.needs_attention",
+        "run.budget_topped_up",
+        "run.recovery_retried",
+        "run.waiting",
+        "run.signalled",
+        "run.succeeded",
+        "run.failed",
+        "run.terminated",
+        "run.terminate_requested",
+        "run.pruned",
+    }
+)
+
+
 # Event types after which the worker that wrote them holds no lease any more.
 _RELEASING = frozenset(
     {

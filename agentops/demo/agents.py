@@ -28,6 +28,7 @@ class RefundAgent(Agent):
     version = "1"
     description = "Looks up an order and refunds it; refunds above 100.00 need an approver."
     tools = ("lookup_order", "refund_payment")
+    searchable_input = ("order_id",)
     input_schema = {
         "type": "object",
         "properties": {
@@ -84,6 +85,7 @@ class FollowUpAgent(Agent):
     version = "1"
     description = "Looks up an order and sends the customer a message (an unsafe tool)."
     tools = ("lookup_order", "send_notification")
+    searchable_input = ("order_id",)
     input_schema = {
         "type": "object",
         "properties": {
@@ -130,6 +132,7 @@ class OnboardingAgent(Agent):
     version = "1"
     description = "Asks an operator to choose a plan, then waits for payment_confirmed."
     tools = ()
+    searchable_input = ("customer",)
     PLANS = ("starter", "pro", "enterprise")
     input_schema = {
         "type": "object",
