@@ -515,7 +515,25 @@ class Finish:
 
 @dataclass(frozen=True)
 class Fail:
+    """The run ends ``failed`` with ``reason``. ``code`` is the run's reason code: the agent
+    gave up (``agent_failed``, the default), or an approval it needed was rejected
+    (``approval_rejected``) or expired (``approval_expired``) — so a refused refund reads
+    as what it was, not as the agent's own failure."""
+
     reason: str
+    code: str = "agent_failed"
+
+
+# the reason codes an agent may end its run with (``Fail.code``)
+AGENT_FAIL_CODES = ("agent_failed", "approval_rejected", "approval_expired")
+
+
+def approval_refusal(step: StepView | None) -> str:
+    """``approval_rejected`` or ``approval_expired`` when ``step`` is a tool call that failed
+    because its approval was refused or ran out (the engine's error for it); else ""."""
+    if step is None or step.status != "failed" or not step.error.startswith("approval rejected"):
+        return ""
+    return "approval_expired" if step.error.endswith("approval_expired") else "approval_rejected"
 
 
 # --- waits (docs/waits.md): the run parks in ``waiting_event`` with no lease held --------------

@@ -19,6 +19,7 @@ from runs.registry import (
     Finish,
     StepView,
     WaitForSignal,
+    approval_refusal,
     registry,
 )
 
@@ -69,6 +70,10 @@ class RefundAgent(Agent):
         if tool == "refund_payment":
             if last.status == "completed":
                 return Finish({"refunded": True, "refund_id": last.output.get("refund_id")})
+            refused = approval_refusal(last)
+            if refused:
+                # the approver said no, or nobody decided in time: the run says so
+                return Fail(f"refund of {amount} not approved: {last.error}", code=refused)
             return Finish({"refunded": False, "why": last.error})
         return Fail(f"unexpected step {last.seq} ({tool})")
 

@@ -32,6 +32,7 @@ from runs.events import Checkpoint
 from runs.gate import gate_installed, get_gate
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.registry import (
+    AGENT_FAIL_CODES,
     AskQuestion,
     CallTool,
     Effect,
@@ -52,9 +53,10 @@ def _decide(lease: Lease, action: Any) -> str:
         _finish(lease, Run.Status.SUCCEEDED, result=action.result, seq=seq)
         return Outcome.PARKED
     if isinstance(action, Fail):
-        _finish(
-            lease, Run.Status.FAILED, reason=Run.Reason.AGENT_FAILED, detail=action.reason, seq=seq
-        )
+        code, detail = action.code, action.reason
+        if code not in AGENT_FAIL_CODES:
+            code, detail = Run.Reason.AGENT_FAILED, f"{detail} (unknown reason code {code!r})"
+        _finish(lease, Run.Status.FAILED, reason=code, detail=detail, seq=seq)
         return Outcome.PARKED
     if isinstance(action, CallTool):
         return _decide_call(lease, action, seq)

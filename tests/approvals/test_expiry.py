@@ -62,8 +62,7 @@ def test_reject_on_expiry_during_downtime_is_applied_by_the_sweep_and_the_agent_
 
     run = drive(run.id)
 
-    assert run.status == Run.Status.SUCCEEDED
-    assert run.result["refunded"] is False
+    assert (run.status, run.reason_code) == (Run.Status.FAILED, "approval_expired")
     assert refund_posts(sandbox) == []
     assert approvals_expire_due() == 0  # applied once
 
