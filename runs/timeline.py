@@ -134,6 +134,8 @@ class Group:
     incarnation: int | None = None
     worker: str = ""
     recovered: bool = False
+    # why this claim happened, e.g. "after the approval was decided" ("" for the first claim)
+    cause: str = ""
     started_at: datetime | None = None
     entries: list[Entry] = field(default_factory=list)
     # how it ended: "released", "lost", "holding", "expired" or "" (still open / cut off)
@@ -151,10 +153,13 @@ class Group:
         if self.kind == "outside":
             return "Outside any lease"
         who = f"worker {self.worker}" if self.worker else "a worker"
-        verb = "resumed" if self.recovered else "claimed"
         if self.continued:
             return f"Incarnation {self.incarnation} · {who} (earlier events not shown)"
-        return f"Incarnation {self.incarnation} · {who} {verb} the run"
+        if self.recovered:
+            return f"Incarnation {self.incarnation} · {who} took over after a lost lease"
+        if self.cause:
+            return f"Incarnation {self.incarnation} · {who} resumed the run {self.cause}"
+        return f"Incarnation {self.incarnation} · {who} claimed the run"
 
     @property
     def summary(self) -> str:
@@ -164,6 +169,8 @@ class Group:
             when = f" at {self.started_at:%H:%M:%S}" if self.started_at else ""
             if self.recovered:
                 parts.append(f"{self.worker} resumed{when} after a lost lease")
+            elif self.cause:
+                parts.append(f"{self.worker} resumed{when} {self.cause}")
             else:
                 parts.append(f"{self.worker} claimed{when}")
         parts.extend(self.notes)
@@ -369,9 +376,13 @@ def build(
     steps = steps or {}
     groups: list[Group] = []
     current: Group | None = None  # the incarnation whose worker may still write
+    # what happened since the last claim in the window (None: no claim seen yet)
+    since_claim: list[str] | None = [] if not continued else None
     for index, event in enumerate(events):
         payload = event.payload or {}
         worker = _worker_of(event.actor)
+        if since_claim is not None and event.type != "run.claimed":
+            since_claim.append(event.type)
         entry = Entry(
             seq=event.seq,
             type=event.type,
@@ -392,9 +403,11 @@ def build(
                 incarnation=payload.get("fence", event.incarnation),
                 worker=worker,
                 recovered=bool(payload.get("recovered")),
+                cause=_claim_cause(since_claim),
                 started_at=event.created_at,
             )
             groups.append(current)
+            since_claim = []
         elif worker and (current is None or current.incarnation != event.incarnation):
             # the window starts inside this incarnation
             if current is not None and not current.closed:
@@ -442,6 +455,36 @@ def build(
         else:
             _mark_lost(current, by="")
     return groups
+
+
+# Why a worker claimed the run again, by what happened since the last claim (the first match
+# wins): the fence still increments at every claim, but a claim after an approval is not a
+# recovery, and the timeline should not read like one.
+_CLAIM_CAUSES = (
+    ("run.recovery_retried", "after an operator's retry"),
+    ("run.resumed", "after an operator resumed it"),
+    ("approval.decided", "after the approval was decided"),
+    ("approval.expired", "after the approval expired"),
+    ("run.signalled", "after a signal"),
+    ("question.answered", "after its question was answered"),
+    ("run.wait_timed_out", "after its wait timed out"),
+    ("run.budget_topped_up", "after a budget top-up"),
+    ("tool.resolved", "after a person resolved a call"),
+    ("run.handed_off", "handed over by a worker of another release"),
+    ("agent.postponed", "after its decision was postponed"),
+    ("run.waiting", "after its wait"),
+    ("run.released", "for its next slice"),
+)
+
+
+def _claim_cause(since_claim: list[str] | None) -> str:
+    """"" for the run's first claim (or when the window does not show what came before)."""
+    if not since_claim:
+        return ""
+    for event_type, cause in _CLAIM_CAUSES:
+        if event_type in since_claim:
+            return cause
+    return ""
 
 
 def _boundary(group: Group) -> str:
