@@ -24,6 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from runs import jsonlimits
+from runs.masking import UNMASKED, Masker
 
 # Event types after which the worker that wrote them holds no lease any more.
 _RELEASING = frozenset(
@@ -302,18 +303,22 @@ def build(
     lease: LeaseNow | None = None,
     continued: bool = False,
     continues: bool = False,
+    mask: Masker = UNMASKED,
 ) -> list[Group]:
     """Group ``events`` (ascending ``seq``) into incarnations.
 
     ``steps``: seq → Step, attached to ``step.decided`` entries. ``lease``: the run's lease
     now, for the last incarnation (None for an older page, whose last group ``continues``).
-    ``continued``: events before the window exist.
+    ``continued``: events before the window exist. ``mask``: the viewer's masker for the
+    run (runs.masking), applied to each payload before anything is described from it.
     """
     steps = steps or {}
     groups: list[Group] = []
     current: Group | None = None  # the incarnation whose worker may still write
     for index, event in enumerate(events):
-        payload = event.payload or {}
+        # structure (step numbers, fences) from the record; what is shown, masked
+        raw = event.payload or {}
+        payload = mask(raw)
         worker = _worker_of(event.actor)
         entry = Entry(
             seq=event.seq,
@@ -324,7 +329,7 @@ def build(
             incarnation=event.incarnation,
             text=describe(event.type, payload, event.actor),
             payload=payload,
-            step=steps.get(payload.get("seq")) if event.type == "step.decided" else None,
+            step=steps.get(raw.get("seq")) if event.type == "step.decided" else None,
             by_person=event.actor.startswith("user:"),
         )
         if event.type == "run.claimed":
@@ -332,9 +337,9 @@ def build(
                 _mark_lost(current, by=worker)
             current = Group(
                 kind="incarnation",
-                incarnation=payload.get("fence", event.incarnation),
+                incarnation=raw.get("fence", event.incarnation),
                 worker=worker,
-                recovered=bool(payload.get("recovered")),
+                recovered=bool(raw.get("recovered")),
                 started_at=event.created_at,
             )
             groups.append(current)
@@ -412,15 +417,18 @@ def step_seqs(events: Sequence[Any]) -> list[int]:
     ]
 
 
-def reconciliation_history(events: Iterable[Any]) -> dict[tuple[Any, int], list[Entry]]:
+def reconciliation_history(
+    events: Iterable[Any], *, masks: Mapping[Any, Masker]
+) -> dict[tuple[Any, int], list[Entry]]:
     """(run id, step seq) → the lookups, unknown marks, dispatches and resolutions of that
-    call, oldest first: what the unknown-outcomes inbox shows under each call."""
+    call, oldest first: what the unknown-outcomes inbox shows under each call. ``masks``:
+    run id → the viewer's masker (runs.masking)."""
     history: dict[tuple[Any, int], list[Entry]] = {}
     for event in events:
-        payload = event.payload or {}
-        seq = payload.get("seq")
+        seq = (event.payload or {}).get("seq")
         if not isinstance(seq, int):
             continue
+        payload = masks[event.run_id](event.payload)
         history.setdefault((event.run_id, seq), []).append(
             Entry(
                 seq=event.seq,

@@ -1,0 +1,296 @@
+"""Masking by origin (runs.masking): a value a read tool declared sensitive in its result is
+masked wherever the run is shown — also where the agent copied it — for everyone but people
+with ``runs.view_sensitive``, while the engine and the agent keep the real value."""
+
+from __future__ import annotations
+
+import pytest
+from django.contrib.auth.models import Permission
+from django.urls import reverse
+
+from runs.masking import MASK, Masker, mask_paths, masker_for, sensitive_values, values_at
+from runs.models import Run, ToolCall
+from runs.registry import CallTool, Effect, Finish, OutcomeUnknown, ToolResult, UnknownTool
+from runs.services import run_create
+from tests.conftest import drive
+from tests.support import CountingTool, ScriptedAgent, make_tool
+
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("roles")]
+
+EMAIL = "carol@example.com"
+PHONE = "555-0100"
+CRM_ANSWER = {
+    "customer": {"email": EMAIL, "name": "Carol"},
+    "phones": [{"number": PHONE}, {"number": "555-0199"}],
+    "order": 7,
+}
+
+
+# --- paths and the masker -------------------------------------------------------------------
+
+
+def test_values_at_follows_keys_and_list_items():
+    assert list(values_at(CRM_ANSWER, "customer.email")) == [EMAIL]
+    assert list(values_at(CRM_ANSWER, "phones.*.number")) == [PHONE, "555-0199"]
+    assert list(values_at(CRM_ANSWER, "customer.missing")) == []
+    assert list(values_at(CRM_ANSWER, "order.deeper")) == []
+
+
+def test_mask_paths_masks_the_whole_subtree_and_leaves_the_rest():
+    masked = mask_paths(CRM_ANSWER, ["customer", "phones.*.number"])
+    assert masked == {
+        "customer": MASK,
+        "phones": [{"number": MASK}, {"number": MASK}],
+        "order": 7,
+    }
+    assert CRM_ANSWER["customer"]["email"] == EMAIL  # a copy: the record is untouched
+
+
+def test_sensitive_values_are_the_leaves_at_the_paths_without_null_booleans_or_empty():
+    answer = {"customer": {"email": EMAIL, "vip": True, "note": "", "id": 4242, "x": None}}
+    assert sensitive_values(answer, ["customer"]) == {EMAIL, 4242}
+
+
+def test_masker_masks_long_values_inside_text_and_short_ones_whole():
+    mask = Masker(frozenset({EMAIL, "ab", 4242}))
+    assert mask(
+        {
+            "note": f"write to {EMAIL} today",
+            EMAIL: {"code": "ab", "other": "abc", "n": 4242, "m": 4243, "ok": True},
+            "list": [EMAIL, 1],
+        }
+    ) == {
+        "note": f"write to {MASK} today",
+        MASK: {"code": MASK, "other": "abc", "n": MASK, "m": 4243, "ok": True},
+        "list": [MASK, 1],
+    }
+
+
+def test_an_invalid_path_is_refused_when_the_tool_is_declared():
+    with pytest.raises(ValueError, match="sensitive output path"):
+        make_tool_with_output(("customer..email",))
+
+
+def make_tool_with_output(paths):
+    from runs.registry import Tool
+
+    return Tool(
+        name="crm_invalid",
+        effect=Effect.READ,
+        call=CountingTool(),
+        sensitive_output=paths,
+    )
+
+
+def test_sensitive_output_is_not_part_of_the_fingerprint():
+    from runs.registry import Tool
+
+    plain = Tool(name="crm_fp", effect=Effect.READ, call=CountingTool())
+    declared = Tool(
+        name="crm_fp", effect=Effect.READ, call=CountingTool(), sensitive_output=("a.b",)
+    )
+    assert plain.version == declared.version
+
+
+# --- a run that copies a sensitive value everywhere -------------------------------------------
+
+
+@pytest.fixture
+def crm(register):
+    """``crm_lookup`` (read) answers CRM_ANSWER with the email and phones declared sensitive;
+    the agent copies the email into its state, into a non-sensitive argument of ``crm_note``
+    and into its result: every copy must be masked, and ``crm_note`` gets the real value."""
+    lookup_body = CountingTool(lambda arguments, ctx: ToolResult(result=CRM_ANSWER))
+    note_body = CountingTool()
+
+    def decide(ctx):
+        if not ctx.steps:
+            return CallTool("crm_lookup", {"customer_id": "c1"})
+        if len(ctx.steps) == 1:
+            email = ctx.state["email"]
+            return CallTool("crm_note", {"body": f"Write to {email} about the order"})
+        return Finish({"contacted": ctx.state["email"]})
+
+    class Agent(ScriptedAgent):
+        def apply(self, state, step):
+            if step.input.get("tool") == "crm_lookup" and step.status == "completed":
+                state["email"] = step.output["customer"]["email"]
+            return state
+
+    lookup = make_tool("crm_lookup", lookup_body)
+    lookup.sensitive_output = ("customer.email", "phones.*.number")
+    note = make_tool("crm_note", note_body)
+    register(lookup, note, Agent("crm_agent", decide, tools=("crm_lookup", "crm_note")))
+    return note_body
+
+
+@pytest.fixture
+def finished_run(crm, system_actor) -> Run:
+    run = run_create(agent_name="crm_agent", input={}, actor=system_actor)
+    run = drive(run.id)
+    assert run.status == Run.Status.SUCCEEDED, run.reason_detail
+    return run
+
+
+@pytest.fixture
+def auditor_who_may_see(django_user_model):
+    from django.contrib.auth.models import Group
+
+    user = django_user_model.objects.create_user(username="aude", password="pw-aude")
+    user.groups.add(Group.objects.get(name="auditor"))
+    user.user_permissions.add(
+        Permission.objects.get(content_type__app_label="runs", codename="view_sensitive")
+    )
+    return user
+
+
+@pytest.fixture
+def plain_auditor(django_user_model):
+    from django.contrib.auth.models import Group
+
+    user = django_user_model.objects.create_user(username="audrey", password="pw-audrey")
+    user.groups.add(Group.objects.get(name="auditor"))
+    return user
+
+
+def test_the_engine_and_the_agent_keep_the_real_values(finished_run, crm):
+    assert crm.calls[0]["arguments"] == {"body": f"Write to {EMAIL} about the order"}
+    run = Run.objects.get(id=finished_run.id)
+    assert run.state["email"] == EMAIL
+    assert run.result == {"contacted": EMAIL}
+    assert ToolCall.objects.get(run=run, tool_name="crm_note").arguments_masked["body"].count(EMAIL)
+
+
+def test_the_masker_of_a_run_knows_the_values_its_tools_declared(finished_run):
+    mask = masker_for(finished_run)
+    assert mask({"a": EMAIL, "b": PHONE, "c": "555-0199", "d": "Carol"}) == {
+        "a": MASK,
+        "b": MASK,
+        "c": MASK,
+        "d": "Carol",
+    }
+
+
+def test_the_masker_is_empty_for_someone_who_may_see(finished_run, auditor_who_may_see):
+    assert not masker_for(finished_run, user=auditor_who_may_see)
+
+
+# --- the console --------------------------------------------------------------------------
+
+
+def test_run_page_masks_state_result_arguments_receipts_and_events(client, finished_run, viewer):
+    client.force_login(viewer)
+    response = client.get(reverse("runs:detail", args=[finished_run.id]))
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert EMAIL not in page
+    assert PHONE not in page
+    assert MASK in page
+    assert "Carol" in page  # what was not declared is shown
+
+
+def test_run_page_shows_the_values_to_an_auditor_with_the_permission(
+    client, finished_run, auditor_who_may_see, plain_auditor
+):
+    auditor_who_may_see.groups.add(*plain_auditor.groups.all())
+    client.force_login(auditor_who_may_see)
+    page = client.get(reverse("runs:detail", args=[finished_run.id])).content.decode()
+    assert EMAIL in page
+    assert PHONE in page
+
+
+def test_run_page_masks_for_an_auditor_without_the_permission(client, finished_run, plain_auditor):
+    client.force_login(plain_auditor)
+    page = client.get(reverse("runs:detail", args=[finished_run.id])).content.decode()
+    assert EMAIL not in page
+
+
+def test_older_events_page_masks_payloads(client, finished_run, viewer):
+    client.force_login(viewer)
+    last = Run.objects.get(id=finished_run.id).event_seq
+    response = client.get(reverse("runs:events", args=[finished_run.id]), {"before": last + 1})
+    assert response.status_code == 200
+    page = response.content.decode()
+    assert "run.succeeded" in page
+    assert EMAIL not in page
+
+
+# --- the API --------------------------------------------------------------------------------
+
+
+def _api(client, user, path, **params):
+    client.force_login(user)
+    response = client.get(path, params)
+    assert response.status_code == 200, response.content
+    return response
+
+
+def test_api_run_masks_state_and_result(client, finished_run, viewer, auditor_who_may_see):
+    url = f"/api/v1/runs/{finished_run.id}/"
+    body = _api(client, viewer, url).json()
+    assert body["state"]["email"] == MASK
+    assert body["result"] == {"contacted": MASK}
+    assert EMAIL not in _api(client, viewer, url).content.decode()
+    assert _api(client, auditor_who_may_see, url).json()["state"]["email"] == EMAIL
+
+
+def test_api_events_and_tool_calls_mask_the_copies(
+    client, finished_run, viewer, auditor_who_may_see
+):
+    events = f"/api/v1/runs/{finished_run.id}/events/"
+    assert EMAIL not in _api(client, viewer, events).content.decode()
+    assert EMAIL in _api(client, auditor_who_may_see, events).content.decode()
+    calls = _api(client, viewer, "/api/v1/tool-calls/", run=str(finished_run.id)).json()
+    note = next(c for c in calls["results"] if c["tool_name"] == "crm_note")
+    assert note["arguments"] == {"body": f"Write to {MASK} about the order"}
+    calls = _api(client, auditor_who_may_see, "/api/v1/tool-calls/", run=str(finished_run.id))
+    assert EMAIL in calls.content.decode()
+
+
+# --- unknown outcomes -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def crm_unsafe(register):
+    """``crm_send`` (unsafe) loses its answer, naming the address in the error: the inbox
+    shows the call to an operator, masked."""
+
+    def lose(arguments, ctx):
+        raise OutcomeUnknown(f"timed out sending to {arguments['to']}")
+
+    def decide(ctx):
+        if not ctx.steps:
+            return CallTool("crm_lookup2", {})
+        return CallTool("crm_send", {"to": ctx.steps[0].output["customer"]["email"]})
+
+    lookup = make_tool("crm_lookup2", CountingTool(lambda a, c: ToolResult(result=CRM_ANSWER)))
+    lookup.sensitive_output = ("customer.email",)
+    send = make_tool("crm_send", CountingTool(lose), effect=Effect.UNSAFE)
+    register(lookup, send, ScriptedAgent("crm_sender", decide, tools=("crm_lookup2", "crm_send")))
+
+
+def test_unknown_outcomes_inbox_masks_arguments_and_errors(
+    client, crm_unsafe, system_actor, operator
+):
+    run = drive(run_create(agent_name="crm_sender", input={}, actor=system_actor).id)
+    assert run.status == Run.Status.NEEDS_ATTENTION
+    client.force_login(operator)
+    page = client.get(reverse("runs:unknown")).content.decode()
+    assert "crm_send" in page
+    assert EMAIL not in page
+    assert f"timed out sending to {MASK}" in page
+
+
+def test_a_retired_tool_is_not_needed_to_show_a_run(finished_run, client, viewer):
+    from runs.registry import registry
+
+    tool = registry.tool("crm_note")
+    registry.unregister_tool("crm_note")
+    try:
+        with pytest.raises(UnknownTool):
+            registry.tool("crm_note")
+        client.force_login(viewer)
+        page = client.get(reverse("runs:detail", args=[finished_run.id])).content.decode()
+        assert EMAIL not in page
+    finally:
+        registry.register_tool(tool)
