@@ -123,14 +123,14 @@ def _detail(
     except Approval.DoesNotExist:
         raise Http404("no such approval") from None
     approval = ctx.approval
+    mask = masker_for(approval.run, user=request.user)
     context = {
         "ctx": ctx,
         "approval": approval,
         "run": approval.run,
         "call": ctx.call,
-        "arguments_json": _arguments_json(
-            masker_for(approval.run, user=request.user)(approval.arguments_masked)
-        ),
+        "mask": mask,
+        "arguments_json": _arguments_json(mask(approval.arguments_masked)),
         "may_decide": selectors.user_may_decide(user=request.user, approval=approval),
         "seconds_left": max(0, int((approval.expires_at - timezone.now()).total_seconds())),
         "form": form,

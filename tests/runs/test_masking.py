@@ -4,14 +4,31 @@ with ``runs.view_sensitive``, while the engine and the agent keep the real value
 
 from __future__ import annotations
 
+import io
+import json
+
 import pytest
 from django.contrib.auth.models import Permission
+from django.core import mail
+from django.core.management import call_command
 from django.urls import reverse
 
+from approvals.models import Approval
+from runs.actors import Actor
 from runs.masking import MASK, Masker, mask_paths, masker_for, sensitive_values, values_at
-from runs.models import Run, ToolCall
-from runs.registry import CallTool, Effect, Finish, OutcomeUnknown, ToolResult, UnknownTool
+from runs.models import Run, RunEvent, ToolCall, WebhookDelivery
+from runs.registry import (
+    ApprovalPolicy,
+    AskQuestion,
+    CallTool,
+    Effect,
+    Finish,
+    OutcomeUnknown,
+    ToolResult,
+    UnknownTool,
+)
 from runs.services import run_create
+from runs.tokens import api_token_create
 from tests.conftest import drive
 from tests.support import CountingTool, ScriptedAgent, make_tool
 
@@ -136,7 +153,10 @@ def finished_run(crm, system_actor) -> Run:
 def auditor_who_may_see(django_user_model):
     from django.contrib.auth.models import Group
 
-    user = django_user_model.objects.create_user(username="aude", password="pw-aude")
+    # staff: auditors read the admin site
+    user = django_user_model.objects.create_user(
+        username="aude", password="pw-aude", is_staff=True
+    )
     user.groups.add(Group.objects.get(name="auditor"))
     user.user_permissions.add(
         Permission.objects.get(content_type__app_label="runs", codename="view_sensitive")
@@ -148,7 +168,9 @@ def auditor_who_may_see(django_user_model):
 def plain_auditor(django_user_model):
     from django.contrib.auth.models import Group
 
-    user = django_user_model.objects.create_user(username="audrey", password="pw-audrey")
+    user = django_user_model.objects.create_user(
+        username="audrey", password="pw-audrey", is_staff=True
+    )
     user.groups.add(Group.objects.get(name="auditor"))
     return user
 
@@ -294,3 +316,234 @@ def test_a_retired_tool_is_not_needed_to_show_a_run(finished_run, client, viewer
         assert EMAIL not in page
     finally:
         registry.register_tool(tool)
+
+
+# --- copies that leave the system: emails, webhooks, exports ----------------------------------
+
+
+@pytest.fixture
+def crm_people(register):
+    """After the lookup, ``crm_asker`` either asks operators a question naming the address
+    (input ``ask``) or proposes a note that needs an approver, with the address in a
+    non-sensitive argument."""
+
+    def decide(ctx):
+        if not ctx.steps:
+            return CallTool("crm_lookup3", {})
+        email = ctx.steps[0].output["customer"]["email"]
+        if ctx.input.get("ask"):
+            return AskQuestion(f"Should we write to {email}?", group="operator")
+        return CallTool("crm_approved_note", {"body": f"note for {email}"})
+
+    lookup = make_tool("crm_lookup3", CountingTool(lambda a, c: ToolResult(result=CRM_ANSWER)))
+    lookup.sensitive_output = ("customer.email",)
+    note = make_tool("crm_approved_note", CountingTool(), approval=ApprovalPolicy(when="always"))
+    register(
+        lookup,
+        note,
+        ScriptedAgent("crm_asker", decide, tools=("crm_lookup3", "crm_approved_note")),
+    )
+
+
+def _with_address(user, address):
+    user.email = address
+    user.save(update_fields=["email"])
+    return user
+
+
+def test_approval_email_and_pages_mask_a_copied_value(
+    crm_people, system_actor, approver, viewer, client, django_capture_on_commit_callbacks
+):
+    _with_address(approver, "alice@example.com")
+    with django_capture_on_commit_callbacks(execute=True):
+        run = drive(run_create(agent_name="crm_asker", input={}, actor=system_actor).id)
+    assert run.status == Run.Status.WAITING_APPROVAL
+    (message,) = [m for m in mail.outbox if "alice@example.com" in m.to]
+    for body in (message.body, message.alternatives[0][0]):
+        assert f"note for {MASK}" in body
+        assert EMAIL not in body
+    approval = Approval.objects.get(run=run)
+    client.force_login(approver)
+    page = client.get(reverse("approvals:detail", args=[approval.id])).content.decode()
+    assert f"note for {MASK}" in page and EMAIL not in page
+
+
+def test_question_email_masks_a_copied_value(
+    crm_people, system_actor, operator, django_capture_on_commit_callbacks
+):
+    _with_address(operator, "olivia@example.com")
+    with django_capture_on_commit_callbacks(execute=True):
+        run = drive(run_create(agent_name="crm_asker", input={"ask": True}, actor=system_actor).id)
+    assert run.status == Run.Status.WAITING_EVENT
+    (message,) = [m for m in mail.outbox if "olivia@example.com" in m.to]
+    assert EMAIL not in message.subject
+    for body in (message.body, message.alternatives[0][0]):
+        assert f"Should we write to {MASK}?" in body
+        assert EMAIL not in body
+
+
+def test_webhook_payload_is_masked_when_sent(crm, operator, settings):
+    from runs.webhooks import webhooks_deliver_due
+    from tests.api.test_webhooks import Receiver
+
+    receiver = Receiver()
+    try:
+        api_token_create(
+            name="hooks", principal=operator, actor=Actor.system("cli"), webhook_url=receiver.url
+        )
+        run = run_create(agent_name="crm_agent", input={}, actor=Actor.for_user(operator, "api"))
+        assert drive(run.id).status == Run.Status.SUCCEEDED
+        (delivery,) = WebhookDelivery.objects.filter(run_id=run.id)
+        assert webhooks_deliver_due() == 1
+        (_headers, body) = receiver.requests[-1]
+        assert json.loads(body)["event"]["payload"]["result"] == {"contacted": MASK}
+        assert EMAIL.encode() not in body
+    finally:
+        receiver.stop()
+
+
+def test_audit_export_masks_payloads(finished_run):
+    out = io.StringIO()
+    call_command(
+        "audit_export", since="2000-01-01", run=str(finished_run.id), format="jsonl", stdout=out
+    )
+    exported = out.getvalue()
+    assert '"run.succeeded"' in exported
+    assert EMAIL not in exported
+    assert MASK in exported
+
+
+# --- the admin: auditors read the record there -------------------------------------------------
+
+
+def _admin_pages(run: Run) -> list[str]:
+    call = ToolCall.objects.get(run=run, tool_name="crm_note")
+    lookup = ToolCall.objects.get(run=run, tool_name="crm_lookup")
+    finished = RunEvent.objects.get(run=run, type="run.succeeded")
+    return [
+        reverse("admin:runs_run_change", args=[run.id]),
+        reverse("admin:runs_step_change", args=[lookup.step_id]),
+        reverse("admin:runs_toolcall_change", args=[call.id]),
+        reverse("admin:runs_toolreceipt_change", args=[lookup.receipt.id]),
+        reverse("admin:runs_runevent_change", args=[finished.id]),
+        reverse("admin:runs_runevent_export") + f"?run_id__exact={run.id}",
+    ]
+
+
+def _content(response) -> str:
+    if response.streaming:
+        return b"".join(response.streaming_content).decode()
+    return response.content.decode()
+
+
+def test_admin_masks_for_an_auditor_without_the_permission(client, finished_run, plain_auditor):
+    client.force_login(plain_auditor)
+    for url in _admin_pages(finished_run):
+        response = client.get(url)
+        assert response.status_code == 200, url
+        content = _content(response)
+        assert EMAIL not in content, url
+        assert MASK in content, url
+
+
+def test_admin_shows_the_values_to_an_auditor_with_the_permission(
+    client, finished_run, auditor_who_may_see
+):
+    client.force_login(auditor_who_may_see)
+    for url in _admin_pages(finished_run):
+        response = client.get(url)
+        assert response.status_code == 200, url
+        assert EMAIL in _content(response), url
+
+
+def test_the_record_is_unchanged_after_the_admin_showed_it(client, finished_run, plain_auditor):
+    client.force_login(plain_auditor)
+    for url in _admin_pages(finished_run):
+        client.get(url)
+    assert Run.objects.get(id=finished_run.id).state["email"] == EMAIL
+    lookup = ToolCall.objects.get(run=finished_run, tool_name="crm_lookup")
+    assert lookup.receipt.result == CRM_ANSWER
+
+
+# --- the demo and remote manifests ------------------------------------------------------------
+
+
+def test_the_demo_lookup_masks_the_customer_on_the_run_page(sandbox, system_actor, client, viewer):
+    run = drive(
+        run_create(
+            agent_name="refund",
+            input={"order_id": "ord_1001", "amount_cents": 100},
+            actor=system_actor,
+        ).id
+    )
+    customer = Run.objects.get(id=run.id).state["order"]["customer"]
+    assert "@" in customer
+    client.force_login(viewer)
+    page = client.get(reverse("runs:detail", args=[run.id])).content.decode()
+    assert customer not in page
+    body = client.get(f"/api/v1/runs/{run.id}/").json()
+    assert body["state"]["order"]["customer"] == MASK
+
+
+def test_a_manifest_declares_sensitive_output_paths():
+    from runs.remote.manifest import _tool_errors, manifest_tool
+
+    spec = {"name": "crm", "effect": "read", "sensitive_output": ["customer.email"]}
+    assert _tool_errors(spec) == []
+    assert manifest_tool("remote_crm", spec).sensitive_output == ("customer.email",)
+    assert any(
+        e.startswith("sensitive_output")
+        for e in _tool_errors({**spec, "sensitive_output": ["a..b"]})
+    )
+
+
+def test_approvals_api_masks_a_copied_value(crm_people, system_actor, approver, client):
+    run = drive(run_create(agent_name="crm_asker", input={}, actor=system_actor).id)
+    client.force_login(approver)
+    body = client.get("/api/v1/approvals/", {"run": str(run.id)}).json()
+    (approval,) = body["results"]
+    assert approval["arguments"] == {"body": f"note for {MASK}"}
+
+
+def test_an_edit_that_sends_a_masked_field_back_as_shown_keeps_its_real_value(
+    crm_people, system_actor, approver, client, register
+):
+    """The approver saw ``note for ***`` and sent it back unchanged beside another edit:
+    the call is dispatched with the real address, not with the mask."""
+    from approvals.services import _prepare_edit
+
+    run = drive(run_create(agent_name="crm_asker", input={}, actor=system_actor).id)
+    call = ToolCall.objects.get(run=run, tool_name="crm_approved_note")
+    kept = _prepare_edit(call.id, {"body": f"note for {MASK}", "extra": 1})
+    assert kept.arguments == {"body": f"note for {EMAIL}", "extra": 1}
+    changed = _prepare_edit(call.id, {"body": "another note"})
+    assert changed.arguments == {"body": "another note"}
+
+
+def test_approval_admin_pages_mask_a_copied_value(
+    crm_people, system_actor, approver, plain_auditor, client
+):
+    from approvals.models import ApprovalDecision
+    from approvals.services import approval_decide
+
+    run = drive(run_create(agent_name="crm_asker", input={}, actor=system_actor).id)
+    approval = Approval.objects.get(run=run)
+    approval_decide(
+        approval_id=approval.id,
+        decision="approve",
+        actor=Actor.for_user(approver, "web"),
+        edited_arguments={"body": f"note for {MASK}", "extra": 1},
+    )
+    decision = ApprovalDecision.objects.get(approval=approval, decision="approve")
+    assert decision.edited_arguments["body"] == f"note for {EMAIL}"  # the record is real
+    client.force_login(plain_auditor)
+    for url in (
+        reverse("admin:approvals_approval_change", args=[approval.id]),
+        reverse("admin:approvals_approvaldecision_change", args=[decision.id]),
+        reverse("admin:approvals_approvaldecision_export"),
+    ):
+        response = client.get(url)
+        assert response.status_code == 200, url
+        content = _content(response)
+        assert EMAIL not in content, url
+        assert MASK in content, url
