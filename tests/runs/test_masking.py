@@ -16,7 +16,7 @@ from django.urls import reverse
 from approvals.models import Approval
 from runs.actors import Actor
 from runs.masking import MASK, Masker, mask_paths, masker_for, sensitive_values, values_at
-from runs.models import Run, RunEvent, ToolCall, WebhookDelivery
+from runs.models import Question, Run, RunEvent, ToolCall, WebhookDelivery
 from runs.registry import (
     ApprovalPolicy,
     AskQuestion,
@@ -154,9 +154,7 @@ def auditor_who_may_see(django_user_model):
     from django.contrib.auth.models import Group
 
     # staff: auditors read the admin site
-    user = django_user_model.objects.create_user(
-        username="aude", password="pw-aude", is_staff=True
-    )
+    user = django_user_model.objects.create_user(username="aude", password="pw-aude", is_staff=True)
     user.groups.add(Group.objects.get(name="auditor"))
     user.user_permissions.add(
         Permission.objects.get(content_type__app_label="runs", codename="view_sensitive")
@@ -547,3 +545,24 @@ def test_approval_admin_pages_mask_a_copied_value(
         content = _content(response)
         assert EMAIL not in content, url
         assert MASK in content, url
+
+
+def test_question_pages_mask_a_copied_value(crm_people, system_actor, operator, client):
+    run = drive(run_create(agent_name="crm_asker", input={"ask": True}, actor=system_actor).id)
+    question = Question.objects.get(run=run)
+    assert EMAIL in question.text  # the record is real
+    client.force_login(operator)
+    for url in (reverse("runs:questions"), reverse("runs:question", args=[question.id])):
+        page = client.get(url).content.decode()
+        assert f"Should we write to {MASK}?" in page, url
+        assert EMAIL not in page, url
+
+
+def test_dashboard_masks_the_reason_a_run_needs_a_person(client, crm_unsafe, system_actor, viewer):
+    run = drive(run_create(agent_name="crm_sender", input={}, actor=system_actor).id)
+    assert run.status == Run.Status.NEEDS_ATTENTION
+    Run.objects.filter(id=run.id).update(reason_detail=f"could not reach {EMAIL}")
+    client.force_login(viewer)
+    page = client.get(reverse("runs:dashboard")).content.decode()
+    assert f"could not reach {MASK}" in page
+    assert EMAIL not in page
