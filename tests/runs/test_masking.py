@@ -149,13 +149,18 @@ def finished_run(crm, system_actor) -> Run:
     return run
 
 
-@pytest.fixture
-def auditor_who_may_see(django_user_model):
+def _auditor(django_user_model, username: str):
     from django.contrib.auth.models import Group
 
     # staff: auditors read the admin site
-    user = django_user_model.objects.create_user(username="aude", password="pw-aude", is_staff=True)
+    user = django_user_model.objects.create_user(username=username, is_staff=True)
     user.groups.add(Group.objects.get(name="auditor"))
+    return user
+
+
+@pytest.fixture
+def auditor_who_may_see(django_user_model):
+    user = _auditor(django_user_model, "aude")
     user.user_permissions.add(
         Permission.objects.get(content_type__app_label="runs", codename="view_sensitive")
     )
@@ -164,13 +169,7 @@ def auditor_who_may_see(django_user_model):
 
 @pytest.fixture
 def plain_auditor(django_user_model):
-    from django.contrib.auth.models import Group
-
-    user = django_user_model.objects.create_user(
-        username="audrey", password="pw-audrey", is_staff=True
-    )
-    user.groups.add(Group.objects.get(name="auditor"))
-    return user
+    return _auditor(django_user_model, "audrey")
 
 
 def test_the_engine_and_the_agent_keep_the_real_values(finished_run, crm):
@@ -178,7 +177,7 @@ def test_the_engine_and_the_agent_keep_the_real_values(finished_run, crm):
     run = Run.objects.get(id=finished_run.id)
     assert run.state["email"] == EMAIL
     assert run.result == {"contacted": EMAIL}
-    assert ToolCall.objects.get(run=run, tool_name="crm_note").arguments_masked["body"].count(EMAIL)
+    assert EMAIL in ToolCall.objects.get(run=run, tool_name="crm_note").arguments_masked["body"]
 
 
 def test_the_masker_of_a_run_knows_the_values_its_tools_declared(finished_run):
@@ -210,9 +209,8 @@ def test_run_page_masks_state_result_arguments_receipts_and_events(client, finis
 
 
 def test_run_page_shows_the_values_to_an_auditor_with_the_permission(
-    client, finished_run, auditor_who_may_see, plain_auditor
+    client, finished_run, auditor_who_may_see
 ):
-    auditor_who_may_see.groups.add(*plain_auditor.groups.all())
     client.force_login(auditor_who_may_see)
     page = client.get(reverse("runs:detail", args=[finished_run.id])).content.decode()
     assert EMAIL in page
