@@ -299,6 +299,10 @@ class ToolSerializer(serializers.Serializer):
     effect = serializers.ChoiceField(choices=["read", "idempotent", "reconcilable", "unsafe"])
     argument_schema = serializers.JSONField()
     sensitive_fields = serializers.ListField(child=serializers.CharField())
+    sensitive_output = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="paths into the result whose values are masked when shown (docs/agents.md)",
+    )
     timeout = serializers.FloatField()
     approval = ToolApprovalPolicySerializer()
 
@@ -323,6 +327,7 @@ def _tool_data(tool: Tool, *, name: str | None = None) -> dict[str, Any]:
         "effect": str(tool.effect),
         "argument_schema": dict(tool.schema),
         "sensitive_fields": list(tool.sensitive_fields),
+        "sensitive_output": list(tool.sensitive_output),
         "timeout": tool.timeout,
         "approval": {
             "when": policy.describe().strip(),

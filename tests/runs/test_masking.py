@@ -482,11 +482,14 @@ def test_the_demo_lookup_masks_the_customer_on_the_run_page(sandbox, system_acto
 
 
 def test_a_manifest_declares_sensitive_output_paths():
-    from runs.remote.manifest import _tool_errors, manifest_tool
+    from runs.models import AgentManifest
+    from runs.remote.manifest import RemoteAgent, _tool_errors, manifest_tool
 
     spec = {"name": "crm", "effect": "read", "sensitive_output": ["customer.email"]}
     assert _tool_errors(spec) == []
     assert manifest_tool("remote_crm", spec).sensitive_output == ("customer.email",)
+    agent = RemoteAgent(AgentManifest(name="remote_crm", version="1", tools=[spec]))
+    assert agent.sensitive_outputs() == {"remote_crm/crm": ("customer.email",)}
     assert any(
         e.startswith("sensitive_output")
         for e in _tool_errors({**spec, "sensitive_output": ["a..b"]})
