@@ -567,3 +567,21 @@ def test_dashboard_masks_the_reason_a_run_needs_a_person(client, crm_unsafe, sys
     page = client.get(reverse("runs:dashboard")).content.decode()
     assert f"could not reach {MASK}" in page
     assert EMAIL not in page
+
+
+def test_an_alert_about_a_run_is_stored_and_emailed_masked(
+    crm_unsafe, system_actor, operator, django_capture_on_commit_callbacks
+):
+    from runs.alerts import alerts_check
+    from runs.models import Alert
+
+    _with_address(operator, "olivia@example.com")
+    run = drive(run_create(agent_name="crm_sender", input={}, actor=system_actor).id)
+    Run.objects.filter(id=run.id).update(reason_detail=f"could not reach {EMAIL}")
+    with django_capture_on_commit_callbacks(execute=True):
+        alerts_check()
+    alert = Alert.objects.get(run_id=run.id)
+    assert f"could not reach {MASK}" in alert.detail
+    assert EMAIL not in alert.detail
+    (message,) = [m for m in mail.outbox if "olivia@example.com" in m.to]
+    assert EMAIL not in message.body
