@@ -107,8 +107,8 @@ def sensitive_values(result: Any, paths: Iterable[str]) -> set[Any]:
 
 @dataclass
 class Masker:
-    """Masks one run's sensitive values (or several runs' — a list page). Empty: masks
-    nothing (no sensitive values, or a viewer allowed to see them)."""
+    """Masks one run's sensitive values. Empty: masks nothing (no sensitive values, or a
+    viewer allowed to see them)."""
 
     values: frozenset[Any] = frozenset()
     # tool name -> declared paths: a receipt or step output of that tool is masked by path
