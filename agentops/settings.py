@@ -8,6 +8,7 @@ docs/operations.md lists every variable.
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
 import warnings
 from pathlib import Path
@@ -50,6 +51,24 @@ INSTALLED_APPS = [
     "approvals",
     "agentops.demo",
 ]
+
+# Third-party agent apps (docs/agents.md, "Registering"): Django apps whose AppConfig.ready()
+# registers their tools and agents, named without editing this file. Every web process and
+# worker must be started with the same list.
+AGENTOPS_APPS = env_list("AGENTOPS_APPS", [])
+for _app in AGENTOPS_APPS:
+    if _app in INSTALLED_APPS:
+        raise ImproperlyConfigured(f"AGENTOPS_APPS names {_app}, which is already installed")
+    try:
+        _found = importlib.util.find_spec(_app)
+    except (ImportError, ValueError):
+        _found = None
+    if _found is None:
+        raise ImproperlyConfigured(
+            f"AGENTOPS_APPS names {_app}, which cannot be imported "
+            "(installed in this virtualenv, or on PYTHONPATH?)"
+        )
+INSTALLED_APPS += AGENTOPS_APPS
 
 MIDDLEWARE = [
     # /healthz, /healthz/workers, /metrics: answered before Host validation (probes and
@@ -290,6 +309,9 @@ AGENTOPS = {
     "SWEEP_INTERVAL": env_float("AGENTOPS_SWEEP_INTERVAL", 1.0),
     # an enqueued run not claimed within this long is enqueued again (duplicates are harmless)
     "REQUEUE_AFTER": env_float("AGENTOPS_REQUEUE_AFTER", 10.0),
+    # rolling deploys: a run this worker's code cannot serve, handed to a live worker that
+    # can, is claimable again after this many seconds (runs/engine/serving.py)
+    "HANDOFF_DELAY": env_float("AGENTOPS_HANDOFF_DELAY", 1.0),
     # one task advances at most this many steps / seconds, then yields to other runs
     "SLICE_STEPS": env_int("AGENTOPS_SLICE_STEPS", 50),
     "SLICE_SECONDS": env_float("AGENTOPS_SLICE_SECONDS", 60.0),

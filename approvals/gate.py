@@ -29,6 +29,8 @@ class ApprovalsGate:
             require_login=policy.links_need_sign_in,
             separate_duties=policy.separate_duties,
             on_expiry=str(policy.on_expiry),
+            escalate_to=policy.escalate_to,
+            ttl_seconds=policy.ttl_seconds,
             # database time, like every expiry check
             expires_at=db_now() + timedelta(seconds=policy.ttl_seconds),
         )

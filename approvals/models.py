@@ -36,6 +36,11 @@ class Approval(models.Model):
     # ``separate_duties``)
     separate_duties = models.BooleanField(default=True)
     on_expiry = models.CharField(max_length=20, default="reject")
+    # the policy's escalation, copied like the rest of it: an escalation follows the policy
+    # that asked, not whatever the code says when the approval expires (a deploy in between).
+    # ``ttl_seconds`` None: requested before these were copied (the code's policy is used).
+    escalate_to = models.CharField(max_length=150, blank=True)
+    ttl_seconds = models.PositiveIntegerField(null=True, blank=True)
     requested_at = models.DateTimeField(auto_now_add=True)
     expires_at = models.DateTimeField()
     decided_at = models.DateTimeField(null=True, blank=True)

@@ -372,12 +372,8 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
             )
             return
         if approval.on_expiry == "escalate":
-            try:
-                tool = registry.tool(call.tool_name)
-            except UnknownTool:
-                tool = None
-            group = tool.approval.escalate_to if tool is not None else ""
-            if tool is not None and group and approval.approver_group != group:
+            group, ttl_seconds = _escalation(approval)
+            if group and approval.approver_group != group:
                 approval.status = Approval.Status.CANCELLED
                 approval.reason = f"escalated to {group}"
                 approval.save(update_fields=["status", "reason"])
@@ -396,7 +392,9 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
                     separate_duties=approval.separate_duties,
                     on_expiry="reject",
                     # a fresh time to live from the policy, on the database's clock
-                    expires_at=db_now() + timedelta(seconds=tool.approval.ttl_seconds),
+                    escalate_to=group,
+                    ttl_seconds=ttl_seconds,
+                    expires_at=db_now() + timedelta(seconds=ttl_seconds),
                 )
                 cp.event(
                     "approval.requested",
@@ -412,6 +410,19 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
                 return
         if call.status == ToolCall.Status.AWAITING_APPROVAL:
             toolcall_gate_settled(cp=cp, call=call, approved=False, reason="approval_expired")
+
+
+def _escalation(approval: Approval) -> tuple[str, int]:
+    """Whom an expired approval escalates to, and for how long: the policy copied onto
+    the approval when it was requested. An approval requested before the policy was copied
+    falls back to the code's current policy (nothing else is known of the old one)."""
+    if approval.ttl_seconds is not None:
+        return approval.escalate_to, approval.ttl_seconds
+    try:
+        policy = registry.tool(approval.tool_name).approval
+    except UnknownTool:
+        return "", 0
+    return policy.escalate_to, policy.ttl_seconds
 
 
 def approvals_remind_due(*, limit: int = 200) -> int:

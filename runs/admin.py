@@ -69,6 +69,7 @@ from runs.services import (
     run_retry_recovery,
     run_terminate,
 )
+from runs.timeline import EVENT_TYPES
 from runs.tokens import api_token_create, api_token_revoke
 
 # --- building blocks --------------------------------------------------------------------------
@@ -356,47 +357,6 @@ class ActorKindFilter(admin.SimpleListFilter):
                 Q(actor__startswith="user:") | Q(actor__startswith="worker:") | Q(actor="system")
             )
         return queryset
-
-
-# Every event type the engine, the services and the approvals app write (DESIGN §2 and the
-# additions since). A fixed list for the filter; any other type is still found by search.
-EVENT_TYPES = sorted(
-    {
-        "run.created",
-        "run.claimed",
-        "run.released",
-        "run.lease_lost",
-        "step.decided",
-        "approval.requested",
-        "approval.decided",
-        "approval.commented",
-        "approval.expired",
-        "approval.cancelled",
-        "tool.dispatching",
-        "tool.succeeded",
-        "tool.failed",
-        "tool.unknown",
-        "tool.reconcile_attempted",
-        "tool.resolved",
-        "run.migrated",
-        "run.model_changed",
-        "run.model_pinned",
-        "run.forked",
-        "run.paused",
-        "run.pause_requested",
-        "run.resumed",
-        "run.needs_attention",
-        "run.budget_topped_up",
-        "run.recovery_retried",
-        "run.waiting",
-        "run.signalled",
-        "run.succeeded",
-        "run.failed",
-        "run.terminated",
-        "run.terminate_requested",
-        "run.pruned",
-    }
-)
 
 
 class EventTypeFilter(admin.SimpleListFilter):

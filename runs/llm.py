@@ -53,6 +53,7 @@ from runs.registry import (
     DecisionPostponed,
     Fail,
     Finish,
+    ModelWithdrawn,
     StepView,
     Tool,
     UnknownTool,
@@ -172,6 +173,21 @@ def _retry_after(response: httpx.Response) -> float | None:
     return max(seconds, 0.0)
 
 
+def _model_gone(response: Any) -> bool:
+    """The API says the requested model does not exist: HTTP 404 (OpenAI's answer for an
+    unknown or withdrawn model), or an error whose code is ``model_not_found`` (some
+    compatible servers answer 400 with it)."""
+    if response.status_code == 404:
+        return True
+    if response.status_code != 400:
+        return False
+    try:
+        error = response.json().get("error") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and error.get("code") == "model_not_found"
+
+
 def _backoff(config: LLMConfig, attempt: int) -> float:
     """Exponential backoff with jitter: half of it fixed, half random, so many workers
     retrying after one outage do not come back in step."""
@@ -240,6 +256,11 @@ class ChatClient:
                             f"model API refused the credentials (HTTP {response.status_code}): "
                             f"{detail}; check AGENTOPS_LLM_API_KEY",
                             retry_after=config.postpone,
+                        )
+                    if _model_gone(response):
+                        raise ModelWithdrawn(
+                            f"model {body.get('model')!r} is not available from the model API "
+                            f"(HTTP {response.status_code}): {detail}"
                         )
                     if response.status_code not in RETRYABLE_STATUS:
                         raise ModelError(

@@ -37,6 +37,12 @@ class Run(models.Model):
         APPROVAL_EXPIRED = "approval_expired"
         OPERATOR_TERMINATED = "operator_terminated"
         AGENT_FAILED = "agent_failed"
+        # a tool's precondition raised (its resource deleted, its service down): the call
+        # waits for a person instead of crashing every incarnation up to the recovery limit
+        PRECONDITION_FAILED = "precondition_failed"
+        # the model the run is pinned to is gone (withdrawn by its provider): a person moves
+        # the run to the configured model (retry) instead of the run failing for good
+        MODEL_UNAVAILABLE = "model_unavailable"
 
     class Request(models.TextChoices):
         """An operator's request the lease holder honours at its next boundary."""
@@ -504,6 +510,9 @@ class Worker(models.Model):
     last_task_at = models.DateTimeField(null=True, blank=True)
     health = models.CharField(max_length=20, choices=Health.choices, default=Health.STARTING)
     detail = models.TextField(blank=True)
+    # what this process's code can drive (``Registry.serves``): agent versions and tool
+    # fingerprints, so a run it cannot serve goes to a worker that can (rolling deploys)
+    serves = models.JSONField(default=dict, blank=True)
 
     class Meta:
         ordering = ["name"]

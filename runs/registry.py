@@ -539,7 +539,25 @@ class Finish:
 
 @dataclass(frozen=True)
 class Fail:
+    """The run ends ``failed`` with ``reason``. ``code`` is the run's reason code: the agent
+    gave up (``agent_failed``, the default), or an approval it needed was rejected
+    (``approval_rejected``) or expired (``approval_expired``) — so a refused refund reads
+    as what it was, not as the agent's own failure."""
+
     reason: str
+    code: str = "agent_failed"
+
+
+# the reason codes an agent may end its run with (``Fail.code``)
+AGENT_FAIL_CODES = ("agent_failed", "approval_rejected", "approval_expired")
+
+
+def approval_refusal(step: StepView | None) -> str:
+    """``approval_rejected`` or ``approval_expired`` when ``step`` is a tool call that failed
+    because its approval was refused or ran out (the engine's error for it); else ""."""
+    if step is None or step.status != "failed" or not step.error.startswith("approval rejected"):
+        return ""
+    return "approval_expired" if step.error.endswith("approval_expired") else "approval_rejected"
 
 
 # --- waits (docs/waits.md): the run parks in ``waiting_event`` with no lease held --------------
@@ -612,6 +630,13 @@ class DecisionPostponed(Exception):
         self.retry_after = retry_after
 
 
+class ModelWithdrawn(Exception):
+    """``decide`` cannot answer because the model the run is pinned to no longer exists (its
+    provider withdrew it): asking again later would get the same answer, and failing the
+    run would throw its work away, so it waits for a person (``model_unavailable``) who
+    moves it to the configured model."""
+
+
 @dataclass(frozen=True)
 class StepView:
     seq: int
@@ -644,6 +669,9 @@ class Agent:
     description: str = ""
     input_schema: Mapping[str, Any] = {"type": "object"}
     tools: tuple[str, ...] = ()
+    # input fields people look runs up by (an order id, a customer): the runs list's search
+    # box finds a run whose input has the searched text as one of these fields' values
+    searchable_input: tuple[str, ...] = ()
     # State migrations, ``(from_version, to_version, migrate)``: a run started on an older
     # version is upgraded hop by hop when it is claimed (DESIGN §5.2). With no path from the
     # run's version to this one the run waits for a person (fork or terminate).
@@ -759,6 +787,20 @@ class Registry:
 
     def tools(self) -> list[Tool]:
         return sorted(self._tools.values(), key=lambda t: t.name)
+
+    def serves(self) -> dict[str, Any]:
+        """What a worker with this registry can drive, recorded on its ``Worker`` row so that
+        during a rolling deploy a worker hands a run it cannot serve to one that can: each
+        hosted agent's version and every version a migration path leads from, each tool's
+        fingerprint and the ones it declares ``compatible_with``."""
+        agents: dict[str, list[str]] = {}
+        for agent in self.agents():
+            versions = {agent.version} | {source for source, _target, _fn in agent.migrations}
+            agents[agent.name] = sorted(
+                v for v in versions if v == agent.version or agent.migration_path(v) is not None
+            )
+        tools = {t.name: sorted({t.version, *t.compatible_with}) for t in self.tools()}
+        return {"agents": agents, "tools": tools}
 
     def unguarded_tools(self) -> list[Tool]:
         """Registered tools whose unknown outcome is re-sent by themselves after an absent

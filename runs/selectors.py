@@ -15,8 +15,10 @@ from django.db.models import (
     BooleanField,
     Case,
     Count,
+    Exists,
     ExpressionWrapper,
     F,
+    OuterRef,
     Q,
     QuerySet,
     Value,
@@ -381,6 +383,60 @@ def worker_health(*, limit: int = 50) -> WorkerHealth:
     return WorkerHealth(workers=workers, live=len(live), frozen=frozen, stale=stale)
 
 
+EVENT_PAGE_SIZE = 50
+
+
+def event_search(
+    *,
+    type: str = "",
+    actor: str = "",
+    run: str = "",
+    since: datetime | None = None,
+    until: datetime | None = None,
+    before: int | None = None,
+    size: int | None = None,
+) -> tuple[list[RunEvent], int | None]:
+    """Events across all runs, newest first: by type (exact, or a prefix ending in "." such
+    as ``approval.``), by actor (any part of it: ``user:dana``, ``worker:``, ``token:``), by
+    run id prefix, by time; a page of ``size`` before the event id ``before``. Returns the
+    page and the cursor of the next one (None on the last). Payloads are not loaded: the
+    page names what happened and links to the run, whose page shows it (masked)."""
+    events = RunEvent.objects.select_related("run").only(
+        "id",
+        "seq",
+        "type",
+        "actor",
+        "channel",
+        "created_at",
+        "run__id",
+        "run__agent_name",
+        "run__goal",
+    )
+    type = type.strip()
+    if type.endswith("."):
+        events = events.filter(type__startswith=type)
+    elif type:
+        events = events.filter(type=type)
+    if actor.strip():
+        events = events.filter(actor__icontains=actor.strip())
+    id_range = _id_prefix_range(run.strip()) if run.strip() else None
+    if run.strip() and id_range is None:
+        return [], None  # not a run id: nothing matches, rather than everything
+    if id_range is not None:
+        events = events.filter(run_id__gte=id_range[0], run_id__lte=id_range[1])
+    if since is not None:
+        events = events.filter(created_at__gte=since)
+    if until is not None:
+        events = events.filter(created_at__lt=until)
+    if before is not None:
+        events = events.filter(id__lt=before)
+    size = size or EVENT_PAGE_SIZE
+    rows = list(events.order_by("-id")[: size + 1])
+    more = len(rows) > size
+    rows = rows[:size]
+    return rows, (rows[-1].id if more and rows else None)
+
+
 def recent_events(*, limit: int = 20) -> list[RunEvent]:
     """The latest events across all runs (the ``-created_at`` index), with the run's agent."""
     return list(
@@ -469,15 +525,56 @@ def _id_prefix_range(text: str) -> tuple[uuid.UUID, uuid.UUID] | None:
     )
 
 
-def run_search(*, status: str = "", agent: str = "", text: str = "") -> QuerySet[Run]:
-    """Runs matching the list's filters: status, agent, and text in the goal or an id prefix."""
+def _searchable_input(text: str) -> Q:
+    """Runs whose input has ``text`` as the value of a field their agent declares
+    searchable (``Agent.searchable_input``: an order id, a customer)."""
+    from runs.registry import registry
+
+    found = Q(pk__in=[])
+    for agent in registry.agents():
+        for field in agent.searchable_input:
+            found |= Q(agent_name=agent.name, **{f"input__{field}": text})
+    return found
+
+
+def run_search(
+    *,
+    status: str = "",
+    agent: str = "",
+    text: str = "",
+    reason: str = "",
+    tool: str = "",
+    principal: str = "",
+    key: str = "",
+    since: datetime | None = None,
+    until: datetime | None = None,
+) -> QuerySet[Run]:
+    """Runs matching the list's filters: status, reason, agent, a tool it called, its
+    principal, a call's idempotency key, when it was created, and text — in the goal, an id
+    prefix, or a searchable input field's value."""
     runs = Run.objects.select_related("principal").only(
         *_LIST_FIELDS, "lease_owner", "principal__username"
     )
     if status:
         runs = runs.filter(status=status)
+    if reason:
+        runs = runs.filter(reason_code=reason)
     if agent:
         runs = runs.filter(agent_name=agent)
+    if principal:
+        runs = runs.filter(principal__username=principal)
+    if since is not None:
+        runs = runs.filter(created_at__gte=since)
+    if until is not None:
+        runs = runs.filter(created_at__lt=until)
+    if tool:
+        runs = runs.filter(Exists(ToolCall.objects.filter(run=OuterRef("pk"), tool_name=tool)))
+    if key:
+        # a key is the family's (``<root run>:<seq>``): every run of the family that made
+        # the call, a fork included
+        runs = runs.filter(
+            Exists(ToolCall.objects.filter(run=OuterRef("pk"), idempotency_key=key.strip()))
+        )
     text = text.strip()
     if text:
         id_range = _id_prefix_range(text)
@@ -487,10 +584,12 @@ def run_search(*, status: str = "", agent: str = "", text: str = "") -> QuerySet
             runs = runs.filter(id__gte=id_range[0], id__lte=id_range[1])
         elif id_range is not None:
             runs = runs.filter(
-                Q(goal__icontains=text) | Q(id__gte=id_range[0], id__lte=id_range[1])
+                Q(goal__icontains=text)
+                | Q(id__gte=id_range[0], id__lte=id_range[1])
+                | _searchable_input(text)
             )
         else:
-            runs = runs.filter(goal__icontains=text)
+            runs = runs.filter(Q(goal__icontains=text) | _searchable_input(text))
     return runs
 
 

@@ -12,7 +12,7 @@ from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import models, transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 
@@ -20,7 +20,7 @@ from runs import transitions
 from runs.actors import Actor
 from runs.events import Checkpoint, checkpoint
 from runs.gate import get_gate
-from runs.models import Question, Run, RunEvent, Step, ToolCall, ToolReceipt
+from runs.models import Question, Run, RunEvent, Signal, Step, ToolCall, ToolReceipt
 from runs.queue import enqueue_on_commit
 from runs.registry import Effect, UnknownAgent, UnknownTool, registry
 
@@ -483,32 +483,93 @@ def _limits(run: Run) -> dict[str, Any]:
     }
 
 
+# Parks whose cause a deploy or a fix elsewhere can remove: a retry queues the run again and
+# the engine checks everything again at the claim (and parks it again if nothing changed).
+RETRYABLE = (
+    Run.Reason.RECOVERY_LIMIT,
+    Run.Reason.INCOMPATIBLE_AGENT_VERSION,
+    Run.Reason.PRECONDITION_FAILED,
+    Run.Reason.MODEL_UNAVAILABLE,
+)
+
+
 def run_retry_recovery(*, run_id: Any, actor: Actor) -> Run:
-    """A dead-lettered run (recovered more than ``MAX_RECOVERIES`` times) gets another go.
-    ``recovery_count`` is history and is kept; the limit counts recoveries from here."""
+    """Another go for a run parked for a cause that may be gone: a dead-lettered run
+    (recovered more than ``MAX_RECOVERIES`` times: ``recovery_count`` is history and is kept,
+    the limit counts recoveries from here), one whose state migration was missing (refused
+    while no migration path is deployed), or one whose tool precondition raised."""
     actor.require("runs.operate_run")
     with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
-        run = Run.objects.only("status", "reason_code", "recovery_count").get(id=run_id)
-        if not (
-            run.status == Run.Status.NEEDS_ATTENTION
-            and run.reason_code == Run.Reason.RECOVERY_LIMIT
-        ):
-            raise InvalidState("only a run stopped at its recovery limit can be retried")
-        cp.event("run.recovery_retried", by=actor.label, recovery_count=run.recovery_count)
-        cp.update(recovery_count_at_retry=run.recovery_count)
+        run = Run.objects.only(
+            "status", "reason_code", "recovery_count", "agent_name", "agent_version", "model_id"
+        ).get(id=run_id)
+        if not (run.status == Run.Status.NEEDS_ATTENTION and run.reason_code in RETRYABLE):
+            raise InvalidState(
+                "only a run stopped at its recovery limit, for a missing state migration, a "
+                "failing tool precondition or a model that is gone can be retried"
+            )
+        if run.reason_code == Run.Reason.INCOMPATIBLE_AGENT_VERSION:
+            _require_migration_path(run)
+        if run.reason_code == Run.Reason.MODEL_UNAVAILABLE:
+            # the way out of a withdrawn model: follow the configured one, recorded as the
+            # agent's ``model_policy = "follow"`` would record it
+            try:
+                agent = registry.agent(run.agent_name)
+            except UnknownAgent as exc:
+                raise InvalidState(str(exc)) from None
+            to = _configured_model(agent, run)
+            cp.event("run.model_changed", **{"from": run.model_id, "to": to}, by=actor.label)
+            cp.update(model_id=to)
+        cp.event(
+            "run.recovery_retried",
+            by=actor.label,
+            recovery_count=run.recovery_count,
+            reason=run.reason_code,
+        )
+        if run.reason_code == Run.Reason.RECOVERY_LIMIT:
+            cp.update(recovery_count_at_retry=run.recovery_count)
         _requeue(cp, run_id)
     return Run.objects.get(id=run_id)
+
+
+def _require_migration_path(run: Run) -> None:
+    try:
+        agent = registry.agent(run.agent_name)
+    except UnknownAgent:
+        raise InvalidState(
+            f"agent {run.agent_name!r} is not registered on this server: deploy it, then retry"
+        ) from None
+    if agent.migration_path(run.agent_version) is None:
+        raise InvalidState(
+            f"no state migration leads from {run.agent_name} version {run.agent_version} to "
+            f"the registered version {agent.version}: deploy one, then retry; or fork the run"
+        )
 
 
 # --- forking (DESIGN §5.2) --------------------------------------------------------------------
 
 
-def run_fork(*, run_id: Any, actor: Actor, from_step: int, agent_version: str | None = None) -> Run:
+def run_fork(
+    *,
+    run_id: Any,
+    actor: Actor,
+    from_step: int,
+    agent_version: str | None = None,
+    as_me: bool = False,
+) -> Run:
     """Continue a run on today's agent from one of its finished steps: a new run in the same
     family (``root_run``, so idempotency keys are kept), the steps up to ``from_step`` with
     their calls and receipts carried over, usage carried over (a fork never resets it), its
-    state rebuilt by today's agent from those steps. The old run is terminated."""
+    state rebuilt by today's agent from those steps, and the signals the old run received
+    that no carried step consumed. The old run is terminated.
+
+    The fork keeps the old run's model, unless that model is gone (``model_unavailable``):
+    then it takes the agent's configured one. ``as_me``: the fork acts as the person who
+    forks it instead of the old run's principal (one whose account was deactivated, say) —
+    never as someone else, so a fork grants nobody more than they have; recorded."""
     actor.require("runs.operate_run")
+    if as_me and actor.user is None:
+        raise InvalidInput("only a person can fork a run to act as themselves")
     source = Run.objects.get(id=run_id)
     try:
         agent = registry.agent(source.agent_name)
@@ -541,6 +602,10 @@ def run_fork(*, run_id: Any, actor: Actor, from_step: int, agent_version: str | 
         state = agent.initial_state(source.input)
         for step in steps:
             state = agent.apply(dict(state), transitions.step_view(step))
+        model_id = source.model_id
+        if source.reason_code == Run.Reason.MODEL_UNAVAILABLE:
+            model_id = _configured_model(agent, source)
+        principal_id = actor.user.pk if as_me else source.principal_id
         fork = Run.objects.create(
             id=new_id,
             agent_name=agent.name,
@@ -549,7 +614,7 @@ def run_fork(*, run_id: Any, actor: Actor, from_step: int, agent_version: str | 
             input=source.input,
             state=state,
             state_version=len(steps),
-            principal_id=source.principal_id,
+            principal_id=principal_id,
             max_steps=source.max_steps,
             max_cost=source.max_cost,
             max_tokens=source.max_tokens,
@@ -560,13 +625,14 @@ def run_fork(*, run_id: Any, actor: Actor, from_step: int, agent_version: str | 
             tokens_used=source.tokens_used,
             trace_id=uuid.uuid4().hex,
             root_run_id=source.root_run_id or source.id,
-            # a fork continues the same conversation: same model
-            model_id=source.model_id,
+            # a fork continues the same conversation: same model (unless it is gone)
+            model_id=model_id,
             forked_from=source,
             forked_from_step=from_step,
             enqueued_at=timezone.now(),
         )
         _carry_steps(fork, steps)
+        signals = _carry_signals(fork, source, from_step)
         if source.status not in Run.TERMINAL:
             apply_terminate(cp, by=actor.label, reason=f"forked to run {new_id}")
         cp.event("run.forked", to_run=new_id, from_step=from_step, by=actor.label)
@@ -586,6 +652,22 @@ def run_fork(*, run_id: Any, actor: Actor, from_step: int, agent_version: str | 
                 from_agent_version=source.agent_version,
                 agent_version=agent.version,
                 carried_steps=[step.seq for step in steps],
+                carried_signals=signals,
+                **(
+                    {
+                        "principal": {
+                            "from": _username(source.principal),
+                            "to": _username(fork.principal),
+                        }
+                    }
+                    if principal_id != source.principal_id
+                    else {}
+                ),
+                **(
+                    {"model": {"from": source.model_id, "to": model_id}}
+                    if model_id != source.model_id
+                    else {}
+                ),
                 usage={
                     "steps": fork.steps_used,
                     "cost": fork.cost_used,
@@ -615,6 +697,48 @@ def _check_carryable(steps: list[Step]) -> None:
                 f"step {step.seq}'s call has an {call.status} outcome: resolve it, or fork "
                 "from an earlier step (the fork then meets the same key and reconciles it)"
             )
+
+
+def _username(user: Any) -> str | None:
+    return user.get_username() if user is not None else None
+
+
+def _carry_signals(fork: Run, source: Run, from_step: int) -> list[str]:
+    """Signals the old run received that no carried step consumed — kept, or consumed by a
+    step the fork leaves behind — are the fork's too: a wait it decides again finds them
+    instead of waiting for ever for a signal its sender already sent. Copies (the old run's
+    rows stay for its record), in the order they arrived; their names."""
+    pending = (
+        Signal.objects.filter(run=source)
+        .filter(models.Q(consumed_at__isnull=True) | models.Q(consumed_by_step__seq__gt=from_step))
+        .order_by("received_at", "id")
+    )
+    names = []
+    for signal in pending:
+        Signal.objects.create(
+            run=fork,
+            name=signal.name,
+            payload=signal.payload,
+            idempotency_key=signal.idempotency_key,
+            sent_by=signal.sent_by,
+            channel=signal.channel,
+        )
+        names.append(signal.name)
+    return names
+
+
+def _configured_model(agent: Any, run: Run) -> str:
+    """The model a run whose own model is gone moves to: the agent's configured one, which
+    must be another."""
+    configured = agent.model_for_new_run() if hasattr(agent, "model_for_new_run") else ""
+    if not configured:
+        raise InvalidState(f"no model is configured for {run.agent_name} (AGENTOPS_LLM_MODEL)")
+    if configured == run.model_id:
+        raise InvalidState(
+            f"the configured model is still {configured}, the one that is gone: configure "
+            "another (AGENTOPS_LLM_MODEL), then retry"
+        )
+    return configured
 
 
 def _carry_steps(fork: Run, steps: list[Step]) -> None:

@@ -26,6 +26,49 @@ from typing import Any
 from runs import jsonlimits
 from runs.masking import UNMASKED, Masker
 
+# Every event type the engine, the services and the approvals app write (DESIGN §2 and the
+# additions since). The admin's filter and the console's event search offer
+# these; any other type is still found by search.
+EVENT_TYPES = sorted(
+    {
+        "run.created",
+        "run.claimed",
+        "run.released",
+        "run.handed_off",
+        "run.lease_lost",
+        "step.decided",
+        "approval.requested",
+        "approval.decided",
+        "approval.commented",
+        "approval.expired",
+        "approval.cancelled",
+        "tool.dispatching",
+        "tool.succeeded",
+        "tool.failed",
+        "tool.unknown",
+        "tool.reconcile_attempted",
+        "tool.resolved",
+        "run.migrated",
+        "run.model_changed",
+        "run.model_pinned",
+        "run.forked",
+        "run.paused",
+        "run.pause_requested",
+        "run.resumed",
+        "run.needs_attention",
+        "run.budget_topped_up",
+        "run.recovery_retried",
+        "run.waiting",
+        "run.signalled",
+        "run.succeeded",
+        "run.failed",
+        "run.terminated",
+        "run.terminate_requested",
+        "run.pruned",
+    }
+)
+
+
 # Event types after which the worker that wrote them holds no lease any more.
 _RELEASING = frozenset(
     {
@@ -92,6 +135,8 @@ class Group:
     incarnation: int | None = None
     worker: str = ""
     recovered: bool = False
+    # why this claim happened, e.g. "after the approval was decided" ("" for the first claim)
+    cause: str = ""
     started_at: datetime | None = None
     entries: list[Entry] = field(default_factory=list)
     # how it ended: "released", "lost", "holding", "expired" or "" (still open / cut off)
@@ -109,10 +154,13 @@ class Group:
         if self.kind == "outside":
             return "Outside any lease"
         who = f"worker {self.worker}" if self.worker else "a worker"
-        verb = "resumed" if self.recovered else "claimed"
         if self.continued:
             return f"Incarnation {self.incarnation} · {who} (earlier events not shown)"
-        return f"Incarnation {self.incarnation} · {who} {verb} the run"
+        if self.recovered:
+            return f"Incarnation {self.incarnation} · {who} took over after a lost lease"
+        if self.cause:
+            return f"Incarnation {self.incarnation} · {who} resumed the run {self.cause}"
+        return f"Incarnation {self.incarnation} · {who} claimed the run"
 
     @property
     def summary(self) -> str:
@@ -122,6 +170,8 @@ class Group:
             when = f" at {self.started_at:%H:%M:%S}" if self.started_at else ""
             if self.recovered:
                 parts.append(f"{self.worker} resumed{when} after a lost lease")
+            elif self.cause:
+                parts.append(f"{self.worker} resumed{when} {self.cause}")
             else:
                 parts.append(f"{self.worker} claimed{when}")
         parts.extend(self.notes)
@@ -169,7 +219,12 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
         case "run.migrated":
             return f"state migrated from v{p.get('from')} to v{p.get('to')}"
         case "run.model_changed":
+            if p.get("by"):
+                return f"model changed from {p.get('from')} to {p.get('to')} by {p['by']}"
             return f"model changed from {p.get('from')} to {p.get('to')} (agent follows its model)"
+        case "run.handed_off":
+            to = ", ".join(map(str, p.get("to") or ()))
+            return f"{p.get('worker')} handed the run to {to}: {p.get('reason')}"
         case "run.model_pinned":
             return f"model pinned: {p.get('model')}"
         case "step.decided":
@@ -222,11 +277,20 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
         case "run.budget_topped_up":
             return f"budget topped up by {by}: {_limits_change(p)}"
         case "run.recovery_retried":
+            if p.get("reason") not in (None, "recovery_limit"):
+                return f"retried by {by} after {p['reason']}"
             return f"recovery retried by {by} (recovered {p.get('recovery_count')} times so far)"
         case "run.forked":
             if p.get("to_run"):
                 return f"forked by {by} from step #{p.get('from_step')} to run {p['to_run']}"
-            return f"forked by {by} from run {p.get('from_run')} at step #{p.get('from_step')}"
+            text = f"forked by {by} from run {p.get('from_run')} at step #{p.get('from_step')}"
+            if isinstance(p.get("principal"), dict):
+                text += f", acting as {p['principal'].get('to')} (was {p['principal'].get('from')})"
+            if isinstance(p.get("model"), dict):
+                text += f", on model {p['model'].get('to')} (was {p['model'].get('from')})"
+            if p.get("carried_signals"):
+                text += f", with signals {', '.join(map(str, p['carried_signals']))}"
+            return text
         case "run.succeeded" | "run.failed":
             reason = f": {p['reason']}" if p.get("reason") else ""
             return f"{event_type.split('.')[1]}{reason}"
@@ -315,11 +379,15 @@ def build(
     steps = steps or {}
     groups: list[Group] = []
     current: Group | None = None  # the incarnation whose worker may still write
+    # what happened since the last claim in the window (None: no claim seen yet)
+    since_claim: list[str] | None = [] if not continued else None
     for index, event in enumerate(events):
         # structure (step numbers, fences) from the record; what is shown, masked
         raw = event.payload or {}
         payload = mask(raw)
         worker = _worker_of(event.actor)
+        if since_claim is not None and event.type != "run.claimed":
+            since_claim.append(event.type)
         entry = Entry(
             seq=event.seq,
             type=event.type,
@@ -340,9 +408,11 @@ def build(
                 incarnation=raw.get("fence", event.incarnation),
                 worker=worker,
                 recovered=bool(raw.get("recovered")),
+                cause=_claim_cause(since_claim),
                 started_at=event.created_at,
             )
             groups.append(current)
+            since_claim = []
         elif worker and (current is None or current.incarnation != event.incarnation):
             # the window starts inside this incarnation
             if current is not None and not current.closed:
@@ -390,6 +460,36 @@ def build(
         else:
             _mark_lost(current, by="")
     return groups
+
+
+# Why a worker claimed the run again, by what happened since the last claim (the first match
+# wins): the fence still increments at every claim, but a claim after an approval is not a
+# recovery, and the timeline should not read like one.
+_CLAIM_CAUSES = (
+    ("run.recovery_retried", "after an operator's retry"),
+    ("run.resumed", "after an operator resumed it"),
+    ("approval.decided", "after the approval was decided"),
+    ("approval.expired", "after the approval expired"),
+    ("run.signalled", "after a signal"),
+    ("question.answered", "after its question was answered"),
+    ("run.wait_timed_out", "after its wait timed out"),
+    ("run.budget_topped_up", "after a budget top-up"),
+    ("tool.resolved", "after a person resolved a call"),
+    ("run.handed_off", "handed over by a worker of another release"),
+    ("agent.postponed", "after its decision was postponed"),
+    ("run.waiting", "after its wait"),
+    ("run.released", "for its next slice"),
+)
+
+
+def _claim_cause(since_claim: list[str] | None) -> str:
+    """"" for the run's first claim (or when the window does not show what came before)."""
+    if not since_claim:
+        return ""
+    for event_type, cause in _CLAIM_CAUSES:
+        if event_type in since_claim:
+            return cause
+    return ""
 
 
 def _boundary(group: Group) -> str:

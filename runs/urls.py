@@ -11,6 +11,7 @@ urlpatterns = [
     path("runs/", console.run_list, name="list"),
     path("runs/start/", console.run_start, name="start"),
     path("runs/bulk/", console.run_bulk, name="bulk"),
+    path("events/", console.event_list, name="event_list"),
     path("questions/", views.question_inbox, name="questions"),
     path("questions/<int:question_id>/", views.question_detail, name="question"),
     # the run page and its actions (runs.views.detail; docs/console.md)

@@ -15,6 +15,7 @@ from django.db.models.functions import Now
 from runs.dbtime import db_now
 from runs.models import Run, Worker
 from runs.queue import enqueue_on_commit
+from runs.registry import registry
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,9 @@ def identity_acquire(name: str) -> uuid.UUID:
                     "last_task_at": None,
                     "health": Worker.Health.STARTING,
                     "detail": "",
+                    # what this release's code drives: runs it cannot serve are handed to
+                    # a worker that can (runs/engine/serving.py)
+                    "serves": registry.serves(),
                 },
             )
     except IntegrityError:

@@ -19,6 +19,7 @@ from runs.registry import (
     Finish,
     StepView,
     WaitForSignal,
+    approval_refusal,
     registry,
 )
 
@@ -28,6 +29,7 @@ class RefundAgent(Agent):
     version = "1"
     description = "Looks up an order and refunds it; refunds above 100.00 need an approver."
     tools = ("lookup_order", "refund_payment")
+    searchable_input = ("order_id",)
     input_schema = {
         "type": "object",
         "properties": {
@@ -68,6 +70,10 @@ class RefundAgent(Agent):
         if tool == "refund_payment":
             if last.status == "completed":
                 return Finish({"refunded": True, "refund_id": last.output.get("refund_id")})
+            refused = approval_refusal(last)
+            if refused:
+                # the approver said no, or nobody decided in time: the run says so
+                return Fail(f"refund of {amount} not approved: {last.error}", code=refused)
             return Finish({"refunded": False, "why": last.error})
         return Fail(f"unexpected step {last.seq} ({tool})")
 
@@ -84,6 +90,7 @@ class FollowUpAgent(Agent):
     version = "1"
     description = "Looks up an order and sends the customer a message (an unsafe tool)."
     tools = ("lookup_order", "send_notification")
+    searchable_input = ("order_id",)
     input_schema = {
         "type": "object",
         "properties": {
@@ -130,6 +137,7 @@ class OnboardingAgent(Agent):
     version = "1"
     description = "Asks an operator to choose a plan, then waits for payment_confirmed."
     tools = ()
+    searchable_input = ("customer",)
     PLANS = ("starter", "pro", "enterprise")
     input_schema = {
         "type": "object",

@@ -18,6 +18,7 @@ class LLMRefundAgent(LLMAgent):
     )
     tools = ("lookup_order", "refund_payment")
     input_schema = RefundAgent.input_schema
+    searchable_input = RefundAgent.searchable_input
     instructions = (
         "You handle refund requests for a payments team. Look the order up first. Refund "
         "only an amount that is still refundable (the order's amount minus what was already "

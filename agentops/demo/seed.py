@@ -20,6 +20,8 @@ from runs.services import run_create
 
 DEMO_USERNAME = "demo"
 DEMO_GROUPS = ("operator", "approver", "viewer")
+SECOND_APPROVER_USERNAME = "demo-approver"
+SECOND_APPROVER_GROUPS = ("approver", "viewer")
 # The runs act as this service account, not as the demo person: an approver may not approve
 # an action taken in their own name, and the demo login should be able to approve.
 SERVICE_USERNAME = "demo-agent"
@@ -63,28 +65,39 @@ class DemoLogin:
     password: str | None  # only when it was created now: it is never shown again
 
 
-def demo_login_ensure() -> DemoLogin:
-    """Create the demo sign-in once (not a superuser: the roles' groups grant what it may
+def demo_login_ensure(
+    username: str = DEMO_USERNAME, groups: tuple[str, ...] = DEMO_GROUPS
+) -> DemoLogin:
+    """Create a demo sign-in once (not a superuser: the roles' groups grant what it may
     do). An existing one keeps its password."""
     User = get_user_model()
     with transaction.atomic():
-        user = User.objects.filter(username=DEMO_USERNAME).first()
+        user = User.objects.filter(username=username).first()
         password = None
         if user is None:
             password = secrets.token_urlsafe(12)
-            user = User.objects.create_user(username=DEMO_USERNAME, password=password)
+            user = User.objects.create_user(username=username, password=password)
         if not user.email:
             # approval emails go to approvers with an address (printed by the console backend)
-            user.email = f"{DEMO_USERNAME}@localhost"
+            user.email = f"{username}@localhost"
             user.save(update_fields=["email"])
-        groups = list(Group.objects.filter(name__in=DEMO_GROUPS))
-        if len(groups) != len(DEMO_GROUPS):
+        found = list(Group.objects.filter(name__in=groups))
+        if len(found) != len(groups):
             # the roles come from a data migration; without them the login could see nothing
             raise LookupError(
-                f"the role groups {', '.join(DEMO_GROUPS)} are missing: run `manage.py migrate`"
+                f"the role groups {', '.join(groups)} are missing: run `manage.py migrate`"
             )
-        user.groups.add(*groups)
-    return DemoLogin(username=DEMO_USERNAME, password=password)
+        user.groups.add(*found)
+    return DemoLogin(username=username, password=password)
+
+
+def demo_logins_ensure() -> list[DemoLogin]:
+    """``demo``, and a second approver: nobody approves a run they started (separation of
+    duties), so a refund ``demo`` starts from the form is decided by ``demo-approver``."""
+    return [
+        demo_login_ensure(),
+        demo_login_ensure(SECOND_APPROVER_USERNAME, SECOND_APPROVER_GROUPS),
+    ]
 
 
 def demo_service_account_ensure() -> Any:

@@ -423,6 +423,12 @@ class ForkInputSerializer(serializers.Serializer):
     agent_version = serializers.CharField(
         max_length=50, required=False, help_text="Defaults to the registered version."
     )
+    as_me = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text="The new run acts as the caller instead of the old run's principal "
+        "(recorded in run.forked as principal {from, to}).",
+    )
 
 
 class ResolutionInputSerializer(serializers.Serializer):

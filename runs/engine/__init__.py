@@ -9,7 +9,8 @@ Never is a transaction or row lock held across a tool call, a lookup or an agent
 
 The package, by responsibility, each module importing only those before it: ``lease`` (the
 ``Lease`` an incarnation holds and its fenced checkpoint; releasing, parking, pausing,
-finishing), ``claim`` (the compare-and-set that takes the lease), ``toolcalls`` (dispatch,
+finishing), ``claim`` (the compare-and-set that takes the lease), ``serving`` (handing a
+run this worker's code cannot serve to one that can: rolling deploys), ``toolcalls`` (dispatch,
 the call, the receipt, unknown outcomes and their reconciliation), ``deciding`` (the
 ``decided`` checkpoint for each kind of action, and waits), ``continuing`` (an open step
 found at claim) and ``loop`` (``advance``: the slice and the checks before it). Everything

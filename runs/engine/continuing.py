@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from django.utils import timezone
 
+from runs.engine import serving
 from runs.engine.deciding import _continue_wait
 from runs.engine.lease import Lease, Outcome, _park_needs_attention, _release
 from runs.engine.toolcalls import (
@@ -14,6 +15,7 @@ from runs.engine.toolcalls import (
     _fail_step,
     _fail_step_in,
     _mark_unknown,
+    _precondition,
     _reconcile,
 )
 from runs.gate import get_gate
@@ -127,6 +129,8 @@ def _tool_changed(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -
         if tool is None
         else f"tool {call.tool_name!r} changed from version {call.tool_version} to {tool.version}"
     )
+    if serving.hand_off(lease, detail, tool=(call.tool_name, call.tool_version)):
+        return Outcome.PARKED  # a worker of the release that decided the call serves it
     if call.status in (ToolCall.Status.DISPATCHING, ToolCall.Status.UNKNOWN):
         if call.status == ToolCall.Status.DISPATCHING:
             _mark_unknown(lease, call, "left in dispatching; " + detail)
@@ -164,7 +168,9 @@ def _rebind_to_tool_version(lease: Lease, step: Step, call: ToolCall, tool: Tool
     """A call not yet dispatched whose tool changed version: an approval given for the old
     version is not valid for the new one (the approver approved another tool), so it is
     cancelled and, if the new version's policy asks for one, requested again."""
-    fingerprint = tool.precondition(call.arguments) if tool.precondition else ""
+    fingerprint = _precondition(lease, tool, call)
+    if fingerprint is None:
+        return Outcome.PARKED
     needs_approval = tool.approval.requires_approval(call.arguments)
     previous = call.tool_version
     with lease.checkpoint() as cp:

@@ -13,6 +13,7 @@ from runs.engine.lease import (
     Lease,
     Outcome,
     _conf,
+    _describe,
     _finish,
     _pause_principal_revoked_in,
     _principal_refusal,
@@ -31,6 +32,7 @@ from runs.events import Checkpoint
 from runs.gate import gate_installed, get_gate
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.registry import (
+    AGENT_FAIL_CODES,
     AskQuestion,
     CallTool,
     Effect,
@@ -51,9 +53,10 @@ def _decide(lease: Lease, action: Any) -> str:
         _finish(lease, Run.Status.SUCCEEDED, result=action.result, seq=seq)
         return Outcome.PARKED
     if isinstance(action, Fail):
-        _finish(
-            lease, Run.Status.FAILED, reason=Run.Reason.AGENT_FAILED, detail=action.reason, seq=seq
-        )
+        code, detail = action.code, action.reason
+        if code not in AGENT_FAIL_CODES:
+            code, detail = Run.Reason.AGENT_FAILED, f"{detail} (unknown reason code {code!r})"
+        _finish(lease, Run.Status.FAILED, reason=code, detail=detail, seq=seq)
         return Outcome.PARKED
     if isinstance(action, CallTool):
         return _decide_call(lease, action, seq)
@@ -108,7 +111,12 @@ def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tr
         return _rejected_call(
             lease, action, seq, "arguments do not match the schema: " + "; ".join(errors)
         )
-    fingerprint = tool.precondition(arguments) if tool.precondition else ""
+    try:
+        fingerprint = tool.precondition(arguments) if tool.precondition else ""
+    except Exception as exc:
+        # nothing is dispatched or approved yet: the agent sees a refused call (the resource
+        # it names may be gone) rather than the run crashing in every incarnation
+        return _rejected_call(lease, action, seq, f"precondition raised: {_describe(exc)}")
     needs_approval = tool.approval.requires_approval(arguments)
     if needs_approval and not gate_installed():
         return _rejected_call(

@@ -12,6 +12,7 @@ from datetime import timedelta
 from typing import Any
 
 from runs import logs, services, tracing, transitions
+from runs.engine import serving
 from runs.engine.claim import claim
 from runs.engine.continuing import _continue_step
 from runs.engine.deciding import _decide
@@ -31,7 +32,7 @@ from runs.engine.lease import (
 from runs.engine.toolcalls import _LeaseKeeper
 from runs.events import LeaseLost, checkpoint
 from runs.models import Run, Step
-from runs.registry import Decision, DecisionContext, DecisionPostponed, StepView
+from runs.registry import Decision, DecisionContext, DecisionPostponed, ModelWithdrawn, StepView
 
 
 def advance(run_id: Any, *, worker: str) -> str:
@@ -112,6 +113,8 @@ def _drive(lease: Lease) -> str:
 
 def _drive_slice(lease: Lease) -> str:
     if lease.agent is None:
+        if serving.hand_off(lease, f"agent {lease.run.agent_name!r} is not registered here"):
+            return "handed_off"
         _park_needs_attention(
             lease,
             Run.Reason.INCOMPATIBLE_AGENT_VERSION,
@@ -162,6 +165,9 @@ def _migrate_agent_version(lease: Lease) -> bool:
         return True
     path = agent.migration_path(run.agent_version)
     if path is None:
+        why = f"{run.agent_name} version {run.agent_version}: this worker runs {agent.version}"
+        if serving.hand_off(lease, why):
+            return False
         _park_needs_attention(
             lease,
             Run.Reason.INCOMPATIBLE_AGENT_VERSION,
@@ -247,6 +253,11 @@ def _advance_once(lease: Lease) -> str:
         with lease.checkpoint() as cp:
             cp.event("agent.postponed", detail=_describe(exc), retry_in_seconds=exc.retry_after)
             _release_in(cp, wake_at=wake_at)
+        return Outcome.PARKED
+    except ModelWithdrawn as exc:
+        # Not the agent's fault either, and waiting will not bring the model back: a person
+        # moves the run to the configured model (retry) or forks it — its work is kept.
+        _park_needs_attention(lease, Run.Reason.MODEL_UNAVAILABLE, _describe(exc))
         return Outcome.PARKED
     except Exception as exc:
         # The agent's own code failed: a clear, recorded failure, never a crash loop.

@@ -77,6 +77,27 @@ def _deadline_offsets(tool: Tool) -> tuple[float, float]:
     return send, send + tool.timeout + _conf("REDISPATCH_MARGIN")
 
 
+def _precondition(lease: Lease, tool: Tool, call: ToolCall) -> str | None:
+    """The tool's precondition fingerprint for an existing call ("" with none), or None when
+    the precondition raised: the run is then parked ``precondition_failed`` with the error.
+    It is the tool's own code doing I/O (a resource deleted, a service down); raising again
+    in every incarnation would only crash the run up to its recovery limit, and the
+    approver's world can no longer be confirmed, so a person decides (retry, fork or
+    terminate)."""
+    if tool.precondition is None:
+        return ""
+    try:
+        return tool.precondition(call.arguments)  # may do I/O: outside any transaction
+    except Exception as exc:
+        _park_needs_attention(
+            lease,
+            Run.Reason.PRECONDITION_FAILED,
+            f"the precondition of {tool.name} (call {call.idempotency_key}) raised: "
+            f"{_describe(exc)}",
+        )
+        return None
+
+
 def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: bool = True) -> str:
     """The ``dispatching`` boundary for an approved call or a re-dispatch with the same key:
     attempt incremented, approval consumed, precondition re-checked, in one transaction.
@@ -86,7 +107,9 @@ def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: 
         _pause_principal_revoked(lease, revoked)
         return Outcome.PARKED
     if tool.precondition is not None:
-        fingerprint = tool.precondition(call.arguments)  # may do I/O: outside the transaction
+        fingerprint = _precondition(lease, tool, call)
+        if fingerprint is None:
+            return Outcome.PARKED
         if fingerprint != call.precondition_fingerprint:
             # The approver approved one world, never a different one: the approval is not
             # used, and the agent sees both fingerprints and decides again.

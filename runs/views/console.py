@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from datetime import datetime
 from typing import Any
 
 from django import forms
@@ -31,6 +32,7 @@ from runs.forms import UnclippedCharField
 from runs.masking import maskers_for
 from runs.models import Run
 from runs.registry import UnknownAgent, registry
+from runs.timeline import EVENT_TYPES
 from runs.views import HtmxHttpRequest
 
 # the HX-Trigger event that makes counters and tables on the page refresh at once
@@ -82,7 +84,14 @@ class RunFilter(forms.Form):
     shows every run rather than an error page."""
 
     status = forms.ChoiceField(choices=[("", "any status"), *Run.Status.choices], required=False)
+    reason = forms.ChoiceField(choices=[("", "any reason"), *Run.Reason.choices], required=False)
     agent = forms.CharField(max_length=100, required=False)
+    tool = forms.CharField(max_length=100, required=False, strip=True)
+    principal = forms.CharField(max_length=150, required=False, strip=True)
+    key = forms.CharField(max_length=200, required=False, strip=True)
+    # created at or after / before: the browser's local time, like the budget's deadline
+    since = forms.DateTimeField(required=False)
+    until = forms.DateTimeField(required=False)
     q = forms.CharField(max_length=200, required=False, strip=True)
     sort = forms.ChoiceField(
         choices=[
@@ -98,9 +107,26 @@ class RunFilter(forms.Form):
     before = forms.CharField(max_length=500, required=False)
 
     def values(self) -> dict[str, str]:
+        """Each valid filter as the text it came in (for links that keep it)."""
         self.is_valid()
         cleaned = getattr(self, "cleaned_data", {})
-        return {name: cleaned.get(name) or "" for name in self.fields}
+        values = {}
+        for name in self.fields:
+            value = cleaned.get(name)
+            # a time keeps the text it was given (a parsed datetime would not round-trip
+            # through the form's local-time input)
+            values[name] = self.data.get(name, "") if isinstance(value, datetime) else value or ""
+        return values
+
+    def moments(self) -> dict[str, Any]:
+        """The valid time filters, parsed."""
+        self.is_valid()
+        cleaned = getattr(self, "cleaned_data", {})
+        return {name: cleaned.get(name) for name in ("since", "until")}
+
+
+# the filters that narrow the list (sort and the pager's cursors only order and page it)
+NARROWING = ("status", "reason", "agent", "tool", "principal", "key", "since", "until", "q")
 
 
 def _filter_query(values: dict[str, str], **override: str) -> str:
@@ -115,7 +141,8 @@ def _filter_query(values: dict[str, str], **override: str) -> str:
 @login_required
 @permission_required("runs.view_run", raise_exception=True)
 def run_list(request: HtmxHttpRequest) -> HttpResponse:
-    values = RunFilter(request.GET).values()
+    run_filter = RunFilter(request.GET)
+    values = run_filter.values()
     # the status counts are the one aggregate on this page: rendered with the page and
     # refreshed on their own, slower schedule (and after an action), not with every row poll
     if request.htmx and request.htmx.target == "run-counts":
@@ -125,16 +152,26 @@ def run_list(request: HtmxHttpRequest) -> HttpResponse:
             "runs/list.html#run-counts",
             {"status_counts": _status_counts(counts), "total": sum(counts.values()), **values},
         )
-    runs = selectors.run_search(status=values["status"], agent=values["agent"], text=values["q"])
+    runs = selectors.run_search(
+        status=values["status"],
+        reason=values["reason"],
+        agent=values["agent"],
+        tool=values["tool"],
+        principal=values["principal"],
+        key=values["key"],
+        text=values["q"],
+        **run_filter.moments(),
+    )
     page = selectors.run_page(
         runs, sort=values["sort"] or "-created", after=values["after"], before=values["before"]
     )
-    filters = {k: values[k] for k in ("status", "agent", "q", "sort")}
+    filters = {k: values[k] for k in (*NARROWING, "sort")}
     context: dict[str, Any] = {
         "page": page,
         "runs": page.runs,
         "filters": filters,
-        "filtered": any(filters[k] for k in ("status", "agent", "q")),
+        "filtered": any(filters[k] for k in NARROWING),
+        "more_filters": any(filters[k] for k in NARROWING if k not in ("status", "agent", "q")),
         "next_query": _filter_query(filters, after=page.next_cursor) if page.next_cursor else "",
         "prev_query": _filter_query(filters, before=page.prev_cursor) if page.prev_cursor else "",
         "self_query": request.GET.urlencode(),
@@ -153,6 +190,54 @@ def run_list(request: HtmxHttpRequest) -> HttpResponse:
         filter_form=RunFilter(request.GET),
     )
     return render(request, "runs/list.html", context)
+
+
+# --- search events ----------------------------------------------------------------------------
+
+
+class EventFilter(forms.Form):
+    """The events page's query string; invalid values are dropped, as on the runs list."""
+
+    type = forms.CharField(max_length=50, required=False, strip=True)
+    actor = forms.CharField(max_length=200, required=False, strip=True)
+    run = forms.CharField(max_length=36, required=False, strip=True)
+    since = forms.DateTimeField(required=False)
+    until = forms.DateTimeField(required=False)
+    before = forms.IntegerField(min_value=1, required=False)
+
+
+@login_required
+@permission_required("runs.view_runevent", raise_exception=True)
+def event_list(request: HtmxHttpRequest) -> HttpResponse:
+    """Every run's events, searchable by type, actor, run and time; each filter in the URL."""
+    event_filter = EventFilter(request.GET)
+    event_filter.is_valid()
+    cleaned = event_filter.cleaned_data
+    events, next_before = selectors.event_search(
+        type=cleaned.get("type") or "",
+        actor=cleaned.get("actor") or "",
+        run=cleaned.get("run") or "",
+        since=cleaned.get("since"),
+        until=cleaned.get("until"),
+        before=cleaned.get("before"),
+    )
+    # the filters as they came in (times keep their local-time text), for links that keep them
+    filters = {
+        name: request.GET.get(name, "") if cleaned.get(name) else ""
+        for name in ("type", "actor", "run", "since", "until")
+    }
+    return render(
+        request,
+        "runs/event_list.html",
+        {
+            "events": events,
+            "filters": filters,
+            "filtered": any(filters.values()),
+            "event_types": EVENT_TYPES,
+            "next_query": _filter_query(filters, before=str(next_before)) if next_before else "",
+            "first_query": _filter_query(filters) if cleaned.get("before") else "",
+        },
+    )
 
 
 # --- start a run -----------------------------------------------------------------------------

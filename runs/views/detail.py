@@ -96,6 +96,7 @@ class ForkForm(forms.Form):
         max_value=2**31 - 1,
         error_messages={"required": "Choose the last finished step the new run carries over."},
     )
+    as_me = forms.BooleanField(required=False)
 
 
 class EmptyForm(forms.Form):
@@ -141,7 +142,7 @@ def _available(run: Run) -> dict[str, bool]:
         "terminate": status not in Run.TERMINAL,
         "budget": status not in Run.TERMINAL
         and (not attention or run.reason_code == Run.Reason.BUDGET_EXHAUSTED),
-        "retry_recovery": attention and run.reason_code == Run.Reason.RECOVERY_LIMIT,
+        "retry_recovery": attention and run.reason_code in services.RETRYABLE,
         # a run being driven is refused by the service with a clear message; offering the
         # form regardless keeps the panel the same while a run flips between queued and
         # running every slice (the panel reloads only when this set changes)
@@ -157,9 +158,15 @@ NEXT_STEP = {
     Run.Reason.RECOVERY_LIMIT: "It kept crashing: read the incarnations below, then retry "
     "recovery, fork it, or terminate it.",
     Run.Reason.INCOMPATIBLE_AGENT_VERSION: "No state migration reaches the registered "
-    "version: fork it onto that version from a completed step, or terminate it.",
-    Run.Reason.TOOL_RETIRED: "A tool it needs is retired: fork it from an earlier step, or "
+    "version: deploy one and retry, fork it onto that version from a completed step, or "
     "terminate it.",
+    Run.Reason.MODEL_UNAVAILABLE: "The model it is pinned to is gone: retry to move it to the "
+    "configured model (recorded), fork it, or terminate it.",
+    Run.Reason.PRECONDITION_FAILED: "A tool's precondition raised: fix what it checks (or "
+    "deploy a fixed tool) and retry, fork it from an earlier step, or terminate it.",
+    Run.Reason.TOOL_RETIRED: "A call was in flight when its tool changed or was retired, so "
+    "its outcome is unknown: check the external system, then resolve the call in the "
+    "unknown-outcomes inbox (or fork the run from an earlier step, or terminate it).",
     Run.Reason.PRINCIPAL_REVOKED: "Its principal may no longer use a tool: restore their "
     "access, then resume it.",
 }
@@ -498,7 +505,7 @@ def run_fork_view(request: HtmxHttpRequest, run_id: Any) -> HttpResponse:
         "fork",
         "fork this run",
         lambda actor, data: services.run_fork(
-            run_id=run_id, actor=actor, from_step=data["from_step"]
+            run_id=run_id, actor=actor, from_step=data["from_step"], as_me=data["as_me"]
         ),
         lambda fork: (
             f"Forked from step #{fork.forked_from_step} onto {fork.agent_name} "

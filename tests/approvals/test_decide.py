@@ -141,9 +141,9 @@ def test_rejection_reaches_the_agent_as_the_steps_outcome(sandbox, system_actor,
     _decide(approval, approver, "reject", comment="customer already refunded by cheque")
     run = drive(run.id)
 
-    assert run.status == Run.Status.SUCCEEDED
-    assert run.result["refunded"] is False
-    assert "customer already refunded by cheque" in run.result["why"]
+    # the run ends failed with the reason a person gave, not as the agent's own failure
+    assert (run.status, run.reason_code) == (Run.Status.FAILED, "approval_rejected")
+    assert "customer already refunded by cheque" in run.reason_detail
     assert refund_posts(sandbox) == []
     assert refunds(sandbox) == []
     call = ToolCall.objects.get(run=run, tool_name="refund_payment")

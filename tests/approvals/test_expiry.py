@@ -15,7 +15,7 @@ from approvals.models import Approval, ApprovalLink
 from approvals.services import approvals_expire_due, approvals_remind_due
 from runs import sweeper
 from runs.models import Run, ToolCall
-from runs.registry import ApprovalPolicy, CallTool, Effect, Finish, OnExpiry
+from runs.registry import ApprovalPolicy, CallTool, Effect, Finish, OnExpiry, registry
 from runs.services import run_create
 from tests.approvals.conftest import link, requested, token_for
 from tests.conftest import drive
@@ -62,8 +62,7 @@ def test_reject_on_expiry_during_downtime_is_applied_by_the_sweep_and_the_agent_
 
     run = drive(run.id)
 
-    assert run.status == Run.Status.SUCCEEDED
-    assert run.result["refunded"] is False
+    assert (run.status, run.reason_code) == (Run.Status.FAILED, "approval_expired")
     assert refund_posts(sandbox) == []
     assert approvals_expire_due() == 0  # applied once
 
@@ -207,3 +206,29 @@ def test_short_lived_approvals_get_no_reminder(
         drive(run_create(agent_name="payables", actor=system_actor).id)
 
     assert approvals_remind_due() == 0
+
+
+@pytest.mark.django_db
+def test_escalation_follows_the_policy_copied_onto_the_approval_not_a_later_deploy(
+    policy_agent, system_actor, django_user_model
+):
+    policy_agent(
+        ApprovalPolicy(
+            when="always", ttl_seconds=600, on_expiry=OnExpiry.ESCALATE, escalate_to="admin"
+        )
+    )
+    run = drive(run_create(agent_name="payables", actor=system_actor).id)
+    first = Approval.objects.get(run=run)
+    # a deploy changes the policy while the approval waits
+    registry.tool("pay_vendor").approval = ApprovalPolicy(
+        when="always", ttl_seconds=60, on_expiry=OnExpiry.ESCALATE, escalate_to="operator"
+    )
+    _expire(first)
+
+    assert approvals_expire_due() == 1
+
+    second = Approval.objects.get(run=run, status=Approval.Status.PENDING)
+    assert second.approver_group == "admin"
+    assert second.expires_at > timezone.now() + timedelta(seconds=590)
+    first.refresh_from_db()
+    assert first.reason == "escalated to admin"

@@ -225,6 +225,18 @@ def test_healthy_workers_are_listed_with_their_heartbeat(client, viewer):
     assert 'role="alert"' not in html
 
 
+def test_each_worker_says_which_agent_versions_it_serves(client, viewer):
+    _worker("w-1", heartbeat_ago=2)
+    Worker.objects.filter(name="w-1").update(
+        serves={"agents": {"refund": ["1"], "rolling": ["1", "2"]}, "tools": {}}
+    )
+    client.force_login(viewer)
+
+    html = client.get(DASHBOARD).content.decode()
+
+    assert "serves refund v1 · rolling v1, v2" in html
+
+
 def test_recent_events_newest_first_with_actor(client, viewer, operator, system_actor):
     from runs.actors import Actor
     from runs.services import run_terminate

@@ -203,6 +203,58 @@ def test_filter_by_status_agent_and_text(client, viewer, system_actor):
     }
 
 
+def test_search_by_reason_tool_principal_key_time_and_order_id(
+    client, viewer, operator, system_actor
+):
+    from runs.actors import Actor
+
+    stuck = _run(
+        system_actor,
+        goal="stuck",
+        status=Run.Status.NEEDS_ATTENTION,
+        reason=Run.Reason.UNKNOWN_OUTCOME,
+        age_minutes=90,
+    )
+    mine = run_create(
+        agent_name="refund",
+        goal="mine",
+        input={"order_id": "ord_1004", "amount_cents": 250000},
+        actor=Actor.for_user(operator, "web"),
+    )
+    followup = _run(system_actor, goal="follow up", agent="followup")
+    step = stuck.steps.create(seq=1, kind="tool_call", status="pending", input={}, incarnation=1)
+    stuck.tool_calls.create(
+        step=step,
+        tool_name="refund_payment",
+        tool_version="v",
+        effect="idempotent",
+        arguments={},
+        arguments_digest="d",
+        idempotency_key=f"{stuck.id}:1",
+        status="unknown",
+    )
+    client.force_login(viewer)
+
+    def shown(query: str) -> set[str]:
+        runs = client.get(LIST + query).context["runs"]
+        return {_short(r) for r in runs}
+
+    assert shown("?reason=unknown_outcome") == {_short(stuck)}
+    assert shown("?tool=refund_payment") == {_short(stuck)}
+    assert shown(f"?principal={operator.get_username()}") == {_short(mine)}
+    assert shown(f"?key={stuck.id}:1") == {_short(stuck)}
+    # the agent declares order_id searchable: the search box finds the run by it
+    assert shown("?q=ord_1004") == {_short(mine)}
+    assert shown("?q=ord_1") == {_short(followup)}  # a value, not a part of one
+    an_hour_ago = (timezone.localtime() - timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M")
+    assert shown(f"?since={an_hour_ago}") == {_short(mine), _short(followup)}
+    assert shown(f"?until={an_hour_ago}") == {_short(stuck)}
+    # the filters stay in the page's links and the live refresh
+    html = client.get(f"{LIST}?reason=unknown_outcome&tool=refund_payment").content.decode()
+    assert "reason=unknown_outcome&amp;tool=refund_payment" in html
+    assert '<details class="more-filters" open>' in html
+
+
 def test_sort_orders(client, viewer, system_actor):
     old = _run(system_actor, goal="old", status=Run.Status.SUCCEEDED, age_minutes=30)
     mid = _run(system_actor, goal="mid", status=Run.Status.FAILED, age_minutes=20)
@@ -483,7 +535,11 @@ def test_bulk_retry_recovery_only_moves_dead_lettered_runs(client, operator, sys
     results = _bulk_results(response.content.decode())
     assert results == {
         str(dead.id): (True, "queued for another recovery"),
-        str(unknown.id): (False, "only a run stopped at its recovery limit can be retried"),
+        str(unknown.id): (
+            False,
+            "only a run stopped at its recovery limit, for a missing state migration, a "
+            "failing tool precondition or a model that is gone can be retried",
+        ),
     }
     dead.refresh_from_db()
     unknown.refresh_from_db()

@@ -437,3 +437,29 @@ def test_run_started_on_another_agent_version_is_not_driven(looping, system_acto
     assert run.status == Run.Status.NEEDS_ATTENTION
     assert run.reason_code == Run.Reason.INCOMPATIBLE_AGENT_VERSION
     assert body.calls == []
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    ("code", "reason_code", "detail"),
+    [
+        ("agent_failed", "agent_failed", "gave up"),
+        ("approval_rejected", "approval_rejected", "gave up"),
+        ("approval_expired", "approval_expired", "gave up"),
+        ("budget_exhausted", "agent_failed", "gave up (unknown reason code 'budget_exhausted')"),
+    ],
+)
+def test_an_agent_ends_its_run_with_a_reason_code_it_may_give(
+    register, system_actor, code, reason_code, detail
+):
+    from runs.registry import Fail
+
+    register(ScriptedAgent("quitter", lambda ctx: Fail("gave up", code=code)))
+
+    run = drive(run_create(agent_name="quitter", actor=system_actor).id)
+
+    assert (run.status, run.reason_code, run.reason_detail) == (
+        Run.Status.FAILED,
+        reason_code,
+        detail,
+    )

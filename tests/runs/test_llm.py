@@ -26,7 +26,15 @@ from runs.timeline import describe
 from tests.conftest import drive
 from tests.runs.workerprocs import wait_for, worker_env
 from tests.support import WorkerKilled, event_types, events, refund_posts, refunds, rewind
-from tests.support_llm import FakeOpenAI, error, refund_script, text, tool_call
+from tests.support_llm import (
+    FakeOpenAI,
+    Reply,
+    error,
+    refund_script,
+    text,
+    tool_call,
+    tool_results,
+)
 
 INPUT = {"order_id": "ord_1002", "amount_cents": 700, "reason": "damaged"}
 
@@ -781,3 +789,85 @@ def test_an_unknown_model_policy_is_refused_when_the_agent_is_defined():
         class _Typo(LLMAgent):  # noqa: F841 (defining it is the test)
             name = "typo"
             model_policy = "folow"
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_a_withdrawn_model_parks_the_run_and_retry_follows_the_configured_model(
+    fake_llm, sandbox, system_actor, operator
+):
+    from runs.actors import Actor
+    from runs.services import InvalidState, run_retry_recovery
+
+    def script(request, index):
+        if request["model"] == "fake-model-2026":
+            return Reply(
+                status=404,
+                body={
+                    "error": {
+                        "message": "The model `fake-model-2026` does not exist",
+                        "code": "model_not_found",
+                    }
+                },
+            )
+        return refund_script(request, index - 1)
+
+    server = fake_llm(script)
+    run = run_create(agent_name="llm_refund", input=INPUT, actor=system_actor, max_tokens=10_000)
+
+    run = drive(run.id)
+
+    assert server.request_count == 1  # not retried: the model will not come back by itself
+    assert (run.status, run.reason_code) == (Run.Status.NEEDS_ATTENTION, "model_unavailable")
+    assert "'fake-model-2026' is not available" in run.reason_detail
+    olivia = Actor.for_user(operator, "web")
+    with (
+        pytest.raises(InvalidState, match="the configured model is still fake-model-2026"),
+        transaction.atomic(),
+    ):
+        run_retry_recovery(run_id=run.id, actor=olivia)
+
+    settings.AGENTOPS_LLM["MODEL"] = "fake-model-2027"  # the deploy that configures a new one
+    run_retry_recovery(run_id=run.id, actor=olivia)
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED, run.reason_detail
+    assert run.model_id == "fake-model-2027"
+    [changed] = events(run.id, "run.model_changed")
+    assert changed.payload == {
+        "from": "fake-model-2026",
+        "to": "fake-model-2027",
+        "by": f"user:{operator.get_username()}",
+    }
+    assert len(refunds(sandbox)) == 1
+
+
+@pytest.mark.django_db
+@pytest.mark.usefixtures("llm_refund")
+def test_a_fork_of_a_run_whose_model_is_gone_takes_the_configured_model(
+    fake_llm, sandbox, system_actor, operator
+):
+    from runs.actors import Actor
+    from runs.services import run_fork
+
+    def script(request, index):
+        # the pinned model answers the first decision, then is withdrawn
+        if request["model"] == "fake-model-2026" and tool_results(request):
+            return error(404, "no such model")
+        return refund_script(request, index)
+
+    fake_llm(script)
+    run = drive(
+        run_create(agent_name="llm_refund", input=INPUT, actor=system_actor, max_tokens=10_000).id
+    )
+    assert run.reason_code == "model_unavailable"
+    settings.AGENTOPS_LLM["MODEL"] = "fake-model-2027"
+
+    fork = run_fork(run_id=run.id, actor=Actor.for_user(operator, "web"), from_step=1)
+
+    assert fork.model_id == "fake-model-2027"
+    forked = events(fork.id, "run.forked")[0].payload
+    assert forked["model"] == {"from": "fake-model-2026", "to": "fake-model-2027"}
+    fork = drive(fork.id)
+    assert fork.status == Run.Status.SUCCEEDED, fork.reason_detail
+    assert len(refunds(sandbox)) == 1

@@ -8,9 +8,11 @@ from io import StringIO
 import pytest
 from django.core.management import CommandError, call_command
 
-from runs.registry import CallTool, Finish
+from runs.models import Run
+from runs.registry import CallTool, Finish, Sleep, WaitForSignal, registry, tool_fingerprint
 from runs.services import run_create
 from tests.conftest import drive
+from tests.runs.wait_support import fall_due, waits_then_finishes
 from tests.support import CountingTool, ScriptedAgent, make_tool, refund_posts
 
 pytestmark = pytest.mark.django_db
@@ -84,3 +86,78 @@ def test_replay_of_an_unknown_run_is_a_one_line_error():
         call_command("replay", str(uuid.uuid4()))
     with pytest.raises(CommandError, match="no run"):
         call_command("replay", "not-a-uuid")
+
+
+def test_replay_of_signal_and_timer_waits_with_unchanged_code_is_identical(register, system_actor):
+    agent = register(
+        waits_then_finishes(
+            "replay_waiter",
+            WaitForSignal("go", timeout_seconds=60, default={"go": False}),
+            Sleep(seconds=30),
+        )
+    )
+    run = drive(run_create(agent_name=agent.name, actor=system_actor).id)
+    fall_due(run.id)
+    run = drive(run.id)
+    fall_due(run.id)
+    run = drive(run.id)
+    assert run.status == Run.Status.SUCCEEDED
+
+    code, output = _replay(run.id)
+
+    assert code == 0, output
+    assert "step 1: same: wait for signal 'go'" in output
+    assert "step 2: same: sleep until" in output
+    assert output.strip().endswith("identical")
+
+
+def test_replay_reports_a_signal_wait_for_another_name_as_diverged(register, system_actor):
+    waits = [WaitForSignal("go", timeout_seconds=60)]
+    agent = register(
+        ScriptedAgent("replay_renamed", lambda ctx: waits[0] if not ctx.steps else Finish())
+    )
+    run = drive(run_create(agent_name=agent.name, actor=system_actor).id)
+    fall_due(run.id)
+    assert drive(run.id).status == Run.Status.SUCCEEDED
+    waits[0] = WaitForSignal("start", timeout_seconds=60)
+
+    code, output = _replay(run.id)
+
+    assert code == 3
+    assert "step 1: DIVERGED: would wait for signal 'start' instead of 'go'" in output
+
+
+def test_replay_reports_a_changed_tool_as_diverged(refunder, system_actor):
+    run = drive(run_create(agent_name="replayed", actor=system_actor).id)
+    tool = registry.tool("replay_refund")
+    recorded = tool.version
+    tool.schema = {"type": "object", "properties": {"amount": {"type": "integer"}}}
+    tool.version = tool_fingerprint(tool)
+    assert tool.version != recorded
+
+    code, output = _replay(run.id)
+
+    assert code == 3
+    assert (
+        f"step 1: DIVERGED: tool replay_refund changed: called on version {recorded}, "
+        f"today's is {tool.version}"
+    ) in output
+
+    tool.compatible_with = (recorded,)  # declared compatible on purpose: not a divergence
+    code, output = _replay(run.id)
+    assert code == 0, output
+
+
+def test_replay_reports_a_retired_tool_as_diverged(refunder, system_actor):
+    run = drive(run_create(agent_name="replayed", actor=system_actor).id)
+    recorded = registry.tool("replay_refund").version
+    registry.unregister_tool("replay_refund")
+    try:
+        code, output = _replay(run.id)
+    finally:
+        registry.register_tool(make_tool("replay_refund", CountingTool()))
+
+    assert code == 3
+    assert (
+        f"step 1: DIVERGED: tool replay_refund is retired (called on version {recorded})" in output
+    )

@@ -21,16 +21,20 @@ from runs.registry import (
     OutcomeUnknown,
     Tool,
     ToolResult,
+    WaitForSignal,
     registry,
 )
 from runs.services import (
     InvalidInput,
+    InvalidState,
     run_create,
     run_fork,
     run_resume,
+    run_retry_recovery,
     run_terminate,
     toolcall_resolve,
 )
+from runs.timeline import describe
 from tests.conftest import drive
 from tests.support import (
     CountingTool,
@@ -659,3 +663,166 @@ def test_a_change_declared_compatible_keeps_the_approval_and_is_recorded(approve
     assert events(run.id, "tool.version_changed") == []
     # the call keeps the fingerprint it was decided and approved under
     assert ToolCall.objects.get(run=run).tool_version == old_tool.version
+
+
+# --- parks with a way out ----------------------------------------------------------------------
+
+
+def test_a_run_parked_for_a_missing_migration_resumes_once_one_is_deployed(
+    register, system_actor, olivia
+):
+    register(_counter("1"))
+    run = run_create(agent_name="versioned", actor=system_actor)
+    Run.objects.filter(id=run.id).update(state={"count": 2})
+    registry.register_agent(_counter("2"))  # deployed without a migration
+    run = drive(run.id)
+    assert (run.status, run.reason_code) == (
+        Run.Status.NEEDS_ATTENTION,
+        "incompatible_agent_version",
+    )
+
+    # retrying before a migration exists is refused and says what to do
+    with (
+        pytest.raises(InvalidState, match="no state migration leads from versioned version 1"),
+        transaction.atomic(),
+    ):
+        run_retry_recovery(run_id=run.id, actor=olivia)
+    run.refresh_from_db()
+    assert run.status == Run.Status.NEEDS_ATTENTION
+
+    registry.register_agent(_counter("2", migrations=[("1", "2", lambda s: {"n": s["count"]})]))
+    run_retry_recovery(run_id=run.id, actor=olivia)
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result == {"n": 2}
+    assert events(run.id, "run.recovery_retried")[0].payload["reason"] == (
+        "incompatible_agent_version"
+    )
+    assert [e.payload["to"] for e in events(run.id, "run.migrated")] == ["2"]
+
+
+@pytest.fixture
+def fragile(register):
+    """A refund whose precondition reads a resource that can disappear."""
+    body = CountingTool()
+    world: dict = {"order": {"balance": 100}}
+
+    def precondition(arguments):
+        return f"balance={world['order']['balance']}"  # KeyError once the order is gone
+
+    def decide(ctx):
+        if not ctx.steps:
+            return CallTool("fragile_refund", {"order": "o1"})
+        return Finish({"status": ctx.last_step.status, "error": ctx.last_step.error})
+
+    tool = make_tool("fragile_refund", body, effect=Effect.IDEMPOTENT, approval=ALWAYS)
+    tool.precondition = precondition
+    register(tool, ScriptedAgent("fragile", decide, tools=("fragile_refund",)))
+    return body, world
+
+
+def test_a_precondition_that_raises_at_dispatch_parks_the_run_once_with_the_error(
+    fragile, system_actor, approver, olivia
+):
+    body, world = fragile
+    run = drive(run_create(agent_name="fragile", actor=system_actor).id)
+    _approve(run, approver)
+    world.pop("order")  # the resource was deleted while the approval waited
+
+    run = drive(run.id)
+
+    assert (run.status, run.reason_code) == (Run.Status.NEEDS_ATTENTION, "precondition_failed")
+    assert "KeyError" in run.reason_detail and "fragile_refund" in run.reason_detail
+    assert run.recovery_count == 0  # parked at once, no crash loop
+    assert body.calls == []
+    assert ToolCall.objects.get(run=run).status == ToolCall.Status.APPROVED
+
+    world["order"] = {"balance": 100}  # the resource is back, unchanged
+    run_retry_recovery(run_id=run.id, actor=olivia)
+    run = drive(run.id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result["status"] == "completed"
+    assert len(body.calls) == 1
+    assert Approval.objects.get(run=run).consumed_at is not None
+
+
+def test_a_precondition_that_raises_when_the_call_is_decided_is_a_refused_call(
+    fragile, system_actor
+):
+    body, world = fragile
+    world.pop("order")
+
+    run = drive(run_create(agent_name="fragile", actor=system_actor).id)
+
+    assert run.status == Run.Status.SUCCEEDED
+    assert run.result["status"] == "failed"
+    assert run.result["error"].startswith("precondition raised: KeyError")
+    assert not ToolCall.objects.filter(run=run).exists()
+    assert body.calls == []
+
+
+def test_a_fork_carries_the_signals_the_old_run_received_but_did_not_consume(
+    register, system_actor, olivia
+):
+    from runs.waits import run_signal
+
+    body = CountingTool()
+
+    def decide(ctx):
+        if not ctx.steps:
+            return CallTool("versioned_read", {"n": 0})
+        if len(ctx.steps) == 1:
+            return WaitForSignal("go")
+        return Finish({"go": ctx.last_step.output})
+
+    register(
+        make_tool("versioned_read", body),
+        ScriptedAgent("signalled", decide, tools=("versioned_read",)),
+    )
+    run = drive(run_create(agent_name="signalled", actor=system_actor).id)
+    assert run.status == Run.Status.WAITING_EVENT
+    with transaction.atomic():
+        run_signal(run_id=run.id, name="go", payload={"ok": 1}, actor=olivia)
+    # an early signal for a later wait, kept by the old run
+    with transaction.atomic():
+        run_signal(run_id=run.id, name="later", payload=None, actor=olivia)
+
+    # the fork leaves the wait that consumed "go" behind: both signals come with it
+    fork = run_fork(run_id=run.id, actor=olivia, from_step=1)
+    fork = drive(fork.id)
+
+    assert fork.status == Run.Status.SUCCEEDED
+    assert fork.result == {"go": {"ok": 1}}
+    forked = events(fork.id, "run.forked")[0].payload
+    assert forked["carried_signals"] == ["go", "later"]
+    assert len(body.calls) == 1  # the carried read was not repeated
+
+
+def test_a_fork_can_act_as_the_person_who_forks_it_and_says_so(
+    register, system_actor, operator, olivia, django_user_model
+):
+    body = CountingTool()
+    decide = lambda ctx: CallTool("versioned_read", {"n": 0}) if not ctx.steps else Finish({})  # noqa: E731
+    register(
+        make_tool("versioned_read", body), ScriptedAgent("owned", decide, tools=("versioned_read",))
+    )
+    leaver = django_user_model.objects.create_user(username="leaver", password="pw")
+    leaver.groups.add(Group.objects.get(name="operator"))
+    run = drive(run_create(agent_name="owned", actor=Actor.for_user(leaver, "web")).id)
+    assert run.status == Run.Status.SUCCEEDED
+    leaver.is_active = False  # left the company: a fork acting as them would pause at once
+    leaver.save()
+
+    fork = run_fork(run_id=run.id, actor=olivia, from_step=1, as_me=True)
+
+    assert fork.principal_id == operator.pk
+    forked = events(fork.id, "run.forked")[0]
+    assert forked.payload["principal"] == {"from": "leaver", "to": operator.get_username()}
+    assert f"acting as {operator.get_username()} (was leaver)" in describe(
+        forked.type, forked.payload
+    )
+    assert drive(fork.id).status == Run.Status.SUCCEEDED
+    with pytest.raises(InvalidInput), transaction.atomic():
+        run_fork(run_id=fork.id, actor=system_actor, from_step=1, as_me=True)

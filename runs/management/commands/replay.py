@@ -26,7 +26,7 @@ from typing import Any
 from django.core.exceptions import ValidationError
 from django.core.management.base import BaseCommand, CommandError
 
-from runs.llm import LLMAgent, ModelError, ModelUnavailable, call_records
+from runs.llm import LLMAgent, ModelError, ModelUnavailable, ModelWithdrawn, call_records
 from runs.models import Run, RunEvent, Step, ToolCall
 from runs.registry import (
     Action,
@@ -36,8 +36,10 @@ from runs.registry import (
     DecisionContext,
     Fail,
     Finish,
+    Sleep,
     UnknownAgent,
     UnknownTool,
+    WaitForSignal,
     mask,
     registry,
 )
@@ -123,7 +125,7 @@ class Command(BaseCommand):
                         model=model,
                         max_output=config.max_output_tokens,
                     )
-                except (ModelUnavailable, ModelError) as exc:
+                except (ModelUnavailable, ModelError, ModelWithdrawn) as exc:
                     raise CommandError(
                         f"step {step.seq}: the model could not be asked: {exc}"
                     ) from None
@@ -181,7 +183,26 @@ def _describe_recorded(step: Step) -> str:
         return f"call {step.input.get('tool')} ({step.status})"
     if step.kind == Step.Kind.WAIT and step.input.get("wait") == "question":
         return f"ask {step.input.get('text', '')!r}"
+    if step.kind == Step.Kind.WAIT and step.input.get("wait") == "signal":
+        return f"wait for signal {step.input.get('name')!r}"
+    if step.kind == Step.Kind.WAIT and step.input.get("wait") == "timer":
+        return f"sleep until {step.input.get('until')}"
     return step.kind
+
+
+def _tool_changed(name: str, call: ToolCall) -> str:
+    """Today's tool is not the one the call was made with: retired, or changed to a
+    fingerprint it does not declare compatible (``Tool.accepts``) — a resumed run would
+    park or ask for approval again, so "identical" would be untrue."""
+    try:
+        tool = registry.tool(name)
+    except UnknownTool:
+        return f"tool {name} is retired (called on version {call.tool_version})"
+    if not tool.accepts(call.tool_version):
+        return (
+            f"tool {name} changed: called on version {call.tool_version}, today's is {tool.version}"
+        )
+    return ""
 
 
 def _describe_action(action: Any) -> str:
@@ -220,6 +241,9 @@ def _compare(action: Any, step: Step, call: ToolCall | None, *, masked: bool = F
             return f"would call {action.tool} instead of {tool}"
         if call is None:
             return ""  # a call the engine refused: its arguments were not recorded
+        changed = _tool_changed(tool, call)
+        if changed:
+            return changed
         now, then = _masked(tool, dict(action.arguments)), _masked(tool, call.arguments)
         if dict(action.arguments) == call.arguments or (masked and now == then):
             return ""
@@ -240,6 +264,34 @@ def _compare(action: Any, step: Step, call: ToolCall | None, *, masked: bool = F
             return f"would {_describe_action(action)} instead of fail"
         if action.reason != step.input.get("reason"):
             return f"would fail with {action.reason!r} instead of {step.input.get('reason')!r}"
+        return ""
+    if step.kind == Step.Kind.WAIT and step.input.get("refused"):
+        # a wait the engine refused records only the kind of action decided
+        if type(action).__name__ != step.input.get("wait"):
+            return f"would {_describe_action(action)} instead of {step.input.get('wait')}"
+        return ""
+    if step.kind == Step.Kind.WAIT and step.input.get("wait") == "signal":
+        if not isinstance(action, WaitForSignal):
+            return f"would {_describe_action(action)} instead of {recorded}"
+        if action.name != step.input.get("name"):
+            return f"would wait for signal {action.name!r} instead of {step.input.get('name')!r}"
+        if action.timeout_seconds != step.input.get("timeout_seconds"):
+            return (
+                f"would wait for signal {action.name!r} {action.timeout_seconds} s instead of "
+                f"{step.input.get('timeout_seconds')} s"
+            )
+        if action.default != step.input.get("default"):
+            return f"would default to {action.default!r} instead of {step.input.get('default')!r}"
+        return ""
+    if step.kind == Step.Kind.WAIT and step.input.get("wait") == "timer":
+        if not isinstance(action, Sleep):
+            return f"would {_describe_action(action)} instead of {recorded}"
+        # ``Sleep(seconds=…)`` became a time when it was decided: only a fixed ``until`` can
+        # be compared with the recorded one
+        if action.until is not None and action.until.isoformat() != step.input.get("until"):
+            return (
+                f"would sleep until {action.until.isoformat()} instead of {step.input.get('until')}"
+            )
         return ""
     if step.kind == Step.Kind.WAIT and step.input.get("wait") == "question":
         if not isinstance(action, AskQuestion):

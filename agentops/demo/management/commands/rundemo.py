@@ -22,7 +22,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError, connection
 
-from agentops.demo.seed import demo_login_ensure, demo_runs_seed
+from agentops.demo.seed import demo_logins_ensure, demo_runs_seed
 from agentops.demo.supervisor import Child, Supervisor
 from runs.models import Run
 
@@ -99,7 +99,7 @@ class Command(BaseCommand):
         self.stdout.write(f"database: {connection.vendor} ({where})")
         try:
             call_command("migrate", interactive=False, verbosity=0)
-            login = demo_login_ensure()
+            login = demo_logins_ensure()
             if seed:
                 created = demo_runs_seed()
                 if created:
@@ -219,21 +219,27 @@ class Command(BaseCommand):
         if tail:
             self.stderr.write(f"--- last lines of {child.log_path} ---\n{tail}")
 
-    def _banner(self, supervisor: Supervisor, login, options, log_dir: Path | None) -> None:
+    def _banner(self, supervisor: Supervisor, logins, options, log_dir: Path | None) -> None:
         port, sandbox_port = options["port"], options["sandbox_port"]
-        if login.password:
-            sign_in = f"user {login.username}, password {login.password}  (shown only this once)"
-        else:
-            sign_in = (
-                f"user {login.username} (its password was shown when it was created; "
-                f"`python manage.py changepassword {login.username}` sets a new one)"
-            )
+        sign_ins = []
+        for login in logins:
+            if login.password:
+                sign_ins.append(
+                    f"user {login.username}, password {login.password}  (shown only this once)"
+                )
+            else:
+                sign_ins.append(
+                    f"user {login.username} (its password was shown when it was created; "
+                    f"`python manage.py changepassword {login.username}` sets a new one)"
+                )
+        sign_in = "\n            ".join(sign_ins)
         pids = ", ".join(f"{child.name} {child.pid}" for child in supervisor.children)
         lines = [
             "",
             "agentops is running",
             f"  open      http://{HOST}:{port}/",
             f"  sign in   {sign_in}",
+            "  approve   as demo-approver the runs demo starts (nobody approves their own run)",
             f"  worker    {options['worker_name']}",
             f"  sandbox   http://{HOST}:{sandbox_port} (payments service, deduplicating)",
         ]

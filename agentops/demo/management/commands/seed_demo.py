@@ -5,7 +5,7 @@ from __future__ import annotations
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError
 
-from agentops.demo.seed import demo_login_ensure, demo_runs_seed
+from agentops.demo.seed import demo_logins_ensure, demo_runs_seed
 
 
 class Command(BaseCommand):
@@ -18,18 +18,19 @@ class Command(BaseCommand):
 
     def handle(self, *args, **options):
         try:
-            login = demo_login_ensure()
+            logins = demo_logins_ensure()
             runs = demo_runs_seed(force=options["force"])
         except (DatabaseError, LookupError) as exc:
             raise CommandError(
                 f"cannot seed the database: {str(exc).strip().splitlines()[0]} "
                 "(did you run `python manage.py migrate`?)"
             ) from None
-        if login.password:
-            self.stdout.write(
-                f"created the sign-in {login.username!r} with password {login.password} "
-                "(shown only now)"
-            )
+        for login in logins:
+            if login.password:
+                self.stdout.write(
+                    f"created the sign-in {login.username!r} with password {login.password} "
+                    "(shown only now)"
+                )
         if runs:
             for run in runs:
                 self.stdout.write(f"created run {str(run.id)[:8]} {run.agent_name}: {run.goal}")
