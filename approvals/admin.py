@@ -8,6 +8,8 @@ approver's username all match there, and the row shows who, when, through which 
 
 from __future__ import annotations
 
+import json
+
 from django.contrib import admin
 from django.contrib.auth.models import Group
 from django.db.models import Prefetch
@@ -16,6 +18,7 @@ from django.utils.html import format_html, format_html_join
 
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs.admin import ChannelFilter, ReadOnlyAdmin, ToolFilter, run_link
+from runs.masking import UNMASKED, maskers_for_ids
 
 
 class DecisionChannelFilter(ChannelFilter):
@@ -53,8 +56,8 @@ class DecisionInline(admin.TabularInline):
         "decision",
         "channel",
         "comment",
-        "original_arguments",
-        "edited_arguments",
+        "original_arguments_shown",
+        "edited_arguments_shown",
         "created_at",
     ]
     readonly_fields = fields
@@ -69,7 +72,25 @@ class DecisionInline(admin.TabularInline):
         return False
 
     def get_queryset(self, request):
-        return super().get_queryset(request).select_related("decider")
+        # inline instances are made per request: the viewer decides what is masked below
+        self._viewer = request.user
+        return super().get_queryset(request).select_related("decider", "approval")
+
+    def _shown(self, obj: ApprovalDecision, value):
+        # sensitive tool output copied into the arguments (runs.masking)
+        if value is None:
+            return "-"
+        run_id = obj.approval.run_id
+        mask = maskers_for_ids([run_id], user=self._viewer).get(run_id, UNMASKED)
+        return json.dumps(mask(value), sort_keys=True)  # as the JSON field showed it
+
+    @admin.display(description="original arguments")
+    def original_arguments_shown(self, obj: ApprovalDecision):
+        return self._shown(obj, obj.original_arguments)
+
+    @admin.display(description="edited arguments")
+    def edited_arguments_shown(self, obj: ApprovalDecision):
+        return self._shown(obj, obj.edited_arguments)
 
 
 def _external_ref(tool_call) -> str:
@@ -103,6 +124,7 @@ class ApprovalAdmin(ReadOnlyAdmin):
     )
     date_hierarchy = "requested_at"
     inlines = [DecisionInline]
+    masked_fields = ("arguments_masked",)
 
     def get_queryset(self, request):
         # one query for every row's deciders, whatever the page size
@@ -160,6 +182,11 @@ class ApprovalDecisionAdmin(ReadOnlyAdmin):
     )
     date_hierarchy = "created_at"
     ordering = ["-created_at", "-id"]
+    masked_fields = ("original_arguments", "edited_arguments")
+
+    def masked_run_id(self, obj: ApprovalDecision):
+        return obj.approval.run_id
+
     export_select_related = ("decider", "approval__tool_call__receipt")
     export_columns = (
         ("decided_at", lambda d: d.created_at.isoformat()),

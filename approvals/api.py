@@ -11,7 +11,7 @@ from rest_framework.views import APIView
 
 from approvals.models import Approval, ApprovalDecision
 from approvals.services import approval_decide
-from runs.api import _reject_null_characters
+from runs.api import MaskedSerializerMixin, _reject_null_characters
 from runs.api_common import (
     ApiError,
     IdCursorPagination,
@@ -20,6 +20,7 @@ from runs.api_common import (
     errors,
     has_perm,
 )
+from runs.masking import maskers_for_ids
 
 
 class ApprovalDecisionSerializer(serializers.ModelSerializer):
@@ -45,9 +46,11 @@ class ApprovalDecisionSerializer(serializers.ModelSerializer):
         read_only_fields = fields
 
 
-class ApprovalSerializer(serializers.ModelSerializer):
+class ApprovalSerializer(MaskedSerializerMixin, serializers.ModelSerializer):
     arguments = serializers.JSONField(
-        source="arguments_masked", help_text="Sensitive fields are masked."
+        source="arguments_masked",
+        help_text="Sensitive fields are masked, and so is sensitive tool output copied into "
+        "them (unless you may view it).",
     )
     decisions = ApprovalDecisionSerializer(many=True)
 
@@ -73,6 +76,15 @@ class ApprovalSerializer(serializers.ModelSerializer):
             "decisions",
         ]
         read_only_fields = fields
+
+    def to_representation(self, approval: Approval) -> dict:
+        data = super().to_representation(approval)
+        mask = self.mask_for(approval.run_id)
+        data["arguments"] = mask(data["arguments"])
+        for decision in data["decisions"]:
+            for name in ("edited_arguments", "original_arguments"):
+                decision[name] = mask(decision[name])
+        return data
 
 
 class ApprovalListFilterSerializer(QueryParamsSerializer):
@@ -123,7 +135,12 @@ class ApprovalListApi(generics.GenericAPIView):
         if filters.validated_data.get("run"):
             approvals = approvals.filter(run_id=filters.validated_data["run"])
         page = self.paginate_queryset(approvals)
-        return self.get_paginated_response(ApprovalSerializer(page, many=True).data)
+        # the page's runs masked in one go (runs.masking)
+        masks = maskers_for_ids({approval.run_id for approval in page}, user=request.user)
+        context = {"request": request, "masks": masks}
+        return self.get_paginated_response(
+            ApprovalSerializer(page, many=True, context=context).data
+        )
 
 
 class ApprovalDetailApi(APIView):
@@ -137,7 +154,7 @@ class ApprovalDetailApi(APIView):
         approval = _approvals().filter(id=approval_id).first()
         if approval is None:
             raise ApiError("not_found", "Not found.")
-        return Response(ApprovalSerializer(approval).data)
+        return Response(ApprovalSerializer(approval, context={"request": request}).data)
 
 
 class ApprovalDecideApi(APIView):
@@ -159,4 +176,5 @@ class ApprovalDecideApi(APIView):
             edited_arguments=payload.validated_data.get("arguments"),
             actor=actor_for(request),
         )
-        return Response(ApprovalSerializer(_approvals().get(id=approval_id)).data)
+        approval = _approvals().get(id=approval_id)
+        return Response(ApprovalSerializer(approval, context={"request": request}).data)

@@ -26,6 +26,7 @@ from approvals import selectors
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs import jsonlimits
 from runs.events import checkpoint
+from runs.masking import masker_for
 from runs.models import Run, ToolCall
 
 log = logging.getLogger(__name__)
@@ -109,7 +110,8 @@ def _context(approval: Approval) -> dict[str, Any]:
         "approval": approval,
         "run": run,
         "call": call,
-        "arguments_json": jsonlimits.pretty(approval.arguments_masked),
+        # an email is shown to nobody in particular: sensitive tool output masked
+        "arguments_json": jsonlimits.pretty(masker_for(run)(approval.arguments_masked)),
         "risk": call.effect,
         "risk_text": RISK.get(call.effect, call.effect),
         "decisions": list(approval.decisions.select_related("decider")),

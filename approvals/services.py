@@ -17,6 +17,7 @@ from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs.actors import Actor, PermissionDenied
 from runs.dbtime import db_now
 from runs.events import checkpoint
+from runs.masking import UNMASKED, maskers_for_ids
 from runs.models import ToolCall
 from runs.registry import UnknownTool, digest, registry
 from runs.services import InvalidInput, InvalidState, toolcall_gate_settled
@@ -56,9 +57,9 @@ def _prepare_edit(tool_call_id: Any, edited: Any) -> _Edit | None:
     "keep the value I could not see". None when the edit changes nothing."""
     if not isinstance(edited, dict):
         raise InvalidArguments("the arguments must be a JSON object")
-    call = ToolCall.objects.only("tool_name", "tool_version", "arguments", "arguments_digest").get(
-        id=tool_call_id
-    )
+    call = ToolCall.objects.only(
+        "run_id", "tool_name", "tool_version", "arguments", "arguments_digest"
+    ).get(id=tool_call_id)
     try:
         tool = registry.tool(call.tool_name)
     except UnknownTool:
@@ -69,6 +70,12 @@ def _prepare_edit(tool_call_id: Any, edited: Any) -> _Edit | None:
     for name in tool.sensitive_fields:
         if arguments.get(name) == MASKED and name in call.arguments:
             arguments[name] = call.arguments[name]
+    # Likewise a field shown with a run's sensitive tool output masked (runs.masking) and
+    # sent back as shown keeps its real value: the approver edited something else.
+    origin = maskers_for_ids([call.run_id]).get(call.run_id, UNMASKED)
+    for name, value in call.arguments.items():
+        if name in arguments and arguments[name] != value and arguments[name] == origin(value):
+            arguments[name] = value
     errors = tool.validate(arguments)
     if errors:
         raise InvalidArguments(

@@ -38,6 +38,7 @@ from approvals.services import (
 from runs import jsonlimits
 from runs.actors import Actor, PermissionDenied
 from runs.forms import UnclippedCharField
+from runs.masking import masker_for
 from runs.services import InvalidInput
 
 # what a decision's comment may hold (ApprovalDecision.comment is free text)
@@ -122,12 +123,14 @@ def _detail(
     except Approval.DoesNotExist:
         raise Http404("no such approval") from None
     approval = ctx.approval
+    mask = masker_for(approval.run, user=request.user)
     context = {
         "ctx": ctx,
         "approval": approval,
         "run": approval.run,
         "call": ctx.call,
-        "arguments_json": _arguments_json(approval.arguments_masked),
+        "mask": mask,
+        "arguments_json": _arguments_json(mask(approval.arguments_masked)),
         "may_decide": selectors.user_may_decide(user=request.user, approval=approval),
         "seconds_left": max(0, int((approval.expires_at - timezone.now()).total_seconds())),
         "form": form,
@@ -200,7 +203,8 @@ def _link_page(
         context.update(
             approval=approval,
             run=approval.run,
-            arguments_json=_arguments_json(approval.arguments_masked),
+            # a link's page may be open without a sign-in: shown as to nobody in particular
+            arguments_json=_arguments_json(masker_for(approval.run)(approval.arguments_masked)),
             decisions=list(approval.decisions.select_related("decider")),
             my_decision=selectors.link_decision(link=link),
             seconds_left=max(0, int((approval.expires_at - timezone.now()).total_seconds())),

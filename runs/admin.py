@@ -43,6 +43,7 @@ from runs.audit import (
     keyset_iterate,
     user_roles_snapshot,
 )
+from runs.masking import UNMASKED, Masker, masked_rows, maskers_for_ids
 from runs.models import (
     AgentManifest,
     Alert,
@@ -276,10 +277,12 @@ class AuditAdmin(admin.ModelAdmin):
         if self.export_select_related:
             queryset = queryset.select_related(*self.export_select_related)
         headers = [header for header, _ in self.export_columns]
-        rows = (
-            {header: value(obj) for header, value in self.export_columns}
-            for obj in keyset_iterate(queryset)
-        )
+        objects = keyset_iterate(queryset)
+        if self.masked_fields:
+            objects = masked_rows(
+                objects, run_id=self.masked_run_id, fields=self.masked_fields, user=request.user
+            )
+        rows = ({header: value(obj) for header, value in self.export_columns} for obj in objects)
         stamp = timezone.now().strftime("%Y%m%d-%H%M%S")
         response = StreamingHttpResponse(csv_lines(headers, rows), content_type="text/csv")
         response["Content-Disposition"] = (
@@ -299,6 +302,27 @@ class ReadOnlyAdmin(AuditAdmin):
 
     def has_delete_permission(self, request, obj=None):
         return False
+
+    # Sensitive tool output (runs.masking) is masked on the object's page unless the viewer
+    # holds runs.view_sensitive. The object is only shown (nobody may change it here), so
+    # it is masked in place. ``masked_fields`` are masked by value; ``mask_object`` may do
+    # more (a result masked by its tool's declared paths).
+    masked_fields: tuple[str, ...] = ()
+
+    def masked_run_id(self, obj: Any) -> Any:
+        return obj.run_id
+
+    def mask_object(self, obj: Any, mask: Masker) -> None:
+        for name in self.masked_fields:
+            setattr(obj, name, mask(getattr(obj, name)))
+
+    def get_object(self, request, object_id, from_field=None):
+        obj = super().get_object(request, object_id, from_field)
+        if obj is not None and self.masked_fields:
+            run_id = self.masked_run_id(obj)
+            masks = maskers_for_ids([run_id], user=request.user) if run_id else {}
+            self.mask_object(obj, masks.get(run_id, UNMASKED))
+        return obj
 
 
 def run_link(run_id: Any) -> str:
@@ -642,6 +666,11 @@ class RunAdmin(ReadOnlyAdmin):
         actions.pop("delete_selected", None)
         return actions
 
+    masked_fields = ("input", "state", "result", "reason_detail")
+
+    def masked_run_id(self, obj: Run) -> Any:
+        return obj.id
+
     def change_view(self, request, object_id, form_url="", extra_context=None):
         extra_context = dict(extra_context or {})
         run_id = _as_uuid(str(object_id))
@@ -667,9 +696,10 @@ class RunAdmin(ReadOnlyAdmin):
                 run_id=run_id, seq__gt=first, seq__lte=first + TIMELINE_PAGE
             ).order_by("seq")
         )
+        mask = maskers_for_ids([run_id], user=request.user).get(run_id, UNMASKED)
         for event in events:
             # as JSON, the way the API and the exports show it (not a Python repr)
-            event.payload_json = json.dumps(event.payload, sort_keys=True, default=str)
+            event.payload_json = json.dumps(mask(event.payload), sort_keys=True, default=str)
         calls = list(
             ToolCall.objects.filter(run_id=run_id)
             .select_related("step", "receipt")
@@ -708,6 +738,14 @@ class StepAdmin(ReadOnlyAdmin):
     uuid_search_fields = ("run_id",)
     date_hierarchy = "created_at"
 
+    masked_fields = ("input", "output", "error")
+
+    def mask_object(self, obj: Step, mask: Masker) -> None:
+        tool = (obj.input or {}).get("tool") if isinstance(obj.input, dict) else None
+        obj.output = mask.output(tool, obj.output) if tool else mask(obj.output)
+        obj.input = mask(obj.input)
+        obj.error = mask(obj.error)
+
     @admin.display(description="run", ordering="run_id")
     def run_column(self, obj: Step) -> str:
         return run_link(obj.run_id)
@@ -717,8 +755,14 @@ class ReceiptInline(admin.StackedInline):
     model = ToolReceipt
     extra = 0
     can_delete = False
-    fields = ["outcome", "source", "external_ref", "result", "recorded_by", "incarnation"]
+    # the result on the receipt's own page, where it is masked for the viewer
+    fields = ["outcome", "source", "external_ref", "result_link", "recorded_by", "incarnation"]
     readonly_fields = fields
+
+    @admin.display(description="result")
+    def result_link(self, obj: ToolReceipt) -> str:
+        url = reverse("admin:runs_toolreceipt_change", args=[obj.pk])
+        return format_html('<a href="{}">on the receipt\'s page</a>', url)
 
     def has_add_permission(self, request, obj=None):
         return False
@@ -751,6 +795,7 @@ class ToolCallAdmin(ReadOnlyAdmin):
     # the real arguments may hold sensitive values: only the masked copy is shown
     exclude = ["arguments"]
     inlines = [ReceiptInline]
+    masked_fields = ("arguments_masked", "last_error")
 
     @admin.display(description="run", ordering="run_id")
     def run_column(self, obj: ToolCall) -> str:
@@ -779,6 +824,14 @@ class ToolReceiptAdmin(ReadOnlyAdmin):
     uuid_search_fields = ("tool_call__run_id",)
     exact_search_fields = ("external_ref", "tool_call__idempotency_key", "recorded_by")
     date_hierarchy = "created_at"
+
+    masked_fields = ("result",)
+
+    def masked_run_id(self, obj: ToolReceipt) -> Any:
+        return obj.tool_call.run_id
+
+    def mask_object(self, obj: ToolReceipt, mask: Masker) -> None:
+        obj.result = mask.output(obj.tool_call.tool_name, obj.result)
 
     @admin.display(description="tool", ordering="tool_call__tool_name")
     def tool_name(self, obj: ToolReceipt) -> str:
@@ -812,6 +865,7 @@ class RunEventAdmin(ReadOnlyAdmin):
     date_hierarchy = "created_at"
     # newest first along the primary key: no sort over a million rows
     ordering = ["-id"]
+    masked_fields = ("payload",)
     export_columns = (
         ("run_id", lambda e: e.run_id),
         ("seq", lambda e: e.seq),
@@ -869,6 +923,7 @@ class QuestionAdmin(ReadOnlyAdmin):
     uuid_search_fields = ("run_id",)
     exact_search_fields = ("group", "answered_by__username")
     date_hierarchy = "asked_at"
+    masked_fields = ("text",)
 
     @admin.display(description="run", ordering="run_id")
     def run_column(self, obj: Question) -> str:
@@ -911,6 +966,7 @@ class WebhookDeliveryAdmin(ReadOnlyAdmin):
     uuid_search_fields = ("run_id",)
     exact_search_fields = ("token__name",)
     date_hierarchy = "created_at"
+    masked_fields = ("payload",)
 
     @admin.display(description="run", ordering="run_id")
     def run_column(self, obj: WebhookDelivery) -> str:

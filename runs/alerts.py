@@ -36,6 +36,7 @@ from django.db.models import BooleanField, Case, Max, OuterRef, Q, Subquery, Val
 from django.db.models.functions import Now
 from django.urls import NoReverseMatch, reverse
 
+from runs.masking import maskers_for_ids
 from runs.models import Alert, Run, RunEvent, Worker
 
 log = logging.getLogger(__name__)
@@ -112,10 +113,15 @@ def _create_missing(candidates: list[dict]) -> list[Alert]:
             "cause", flat=True
         )
     )
+    new = [c for c in candidates if c["cause"] not in known]
+    # an alert is emailed and shown to everyone: a reason that quotes a value the agent read
+    # (runs.masking) is stored masked. Only new alerts are masked: a sweep that creates none
+    # costs no query.
+    masks = maskers_for_ids({c["run_id"] for c in new if c.get("run_id")})
     created = []
-    for candidate in candidates:
-        if candidate["cause"] in known:
-            continue
+    for candidate in new:
+        if candidate.get("run_id") in masks:
+            candidate = {**candidate, "detail": masks[candidate["run_id"]](candidate["detail"])}
         alert = _create(**candidate)
         if alert is not None:
             created.append(alert)

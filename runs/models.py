@@ -119,6 +119,8 @@ class Run(models.Model):
             ("start_run", "Can start runs"),
             ("operate_run", "Can pause, resume, terminate and recover runs"),
             ("resolve_toolcall", "Can resolve unknown tool outcomes"),
+            # runs.masking: values a tool declared sensitive in its result, unmasked
+            ("view_sensitive", "Can see sensitive tool output unmasked"),
         ]
         indexes = [
             # the sweeper: runnable runs (few at any time), then their leases are checked

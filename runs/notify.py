@@ -33,6 +33,7 @@ from django.template.loader import render_to_string
 from django.urls import reverse
 
 from runs.events import checkpoint
+from runs.masking import masker_for
 from runs.models import Question, QuestionLink
 
 log = logging.getLogger(__name__)
@@ -127,8 +128,11 @@ def _send_question_emails(
     question = Question.objects.select_related("run", "step").get(id=question_id)
     run = question.run
     users = get_user_model().objects.in_bulk([pk for pk, _, _ in outgoing])
-    subject = f"Question from run {str(run.id)[:8]} ({run.agent_name}): {_one_line(question.text)}"
-    context = {"question": question, "run": run}
+    # an email is shown to nobody in particular: sensitive tool output the agent put in its
+    # question is masked (runs.masking)
+    text = masker_for(run)(question.text)
+    subject = f"Question from run {str(run.id)[:8]} ({run.agent_name}): {_one_line(text)}"
+    context = {"question": question, "question_text": text, "run": run}
     connection = get_connection()
     results = []
     for pk, token, link_id in outgoing:

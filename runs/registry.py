@@ -187,6 +187,10 @@ class Tool:
     schema: Mapping[str, Any] = field(default_factory=lambda: {"type": "object"})
     description: str = ""
     sensitive_fields: tuple[str, ...] = ()
+    # Paths into the tool's result whose values are sensitive (``runs.masking``): dotted
+    # keys, ``*`` for every item of a list, e.g. ``("customer.email", "contacts.*.phone")``.
+    # Masked wherever they are shown to people, including where the agent copied them.
+    sensitive_output: tuple[str, ...] = ()
     approval: ApprovalPolicy = NO_APPROVAL
     allowed_groups: tuple[str, ...] = ()
     timeout: float = 10.0
@@ -222,6 +226,10 @@ class Tool:
             raise ValueError(f"tool {self.name}: timeout must be positive")
         jsonschema.Draft202012Validator.check_schema(self.schema)
         self.compatible_with = tuple(self.compatible_with)
+        self.sensitive_output = tuple(self.sensitive_output)
+        for path in self.sensitive_output:
+            if not path_is_valid(path):
+                raise ValueError(f"tool {self.name}: invalid sensitive output path {path!r}")
         # computed once, from the tool as constructed: every process that imports the same
         # code computes the same fingerprint (workers recover each other's runs)
         self.declared_version = self.version
@@ -253,6 +261,16 @@ def mask(data: Mapping[str, Any], sensitive_fields: tuple[str, ...]) -> dict[str
     return {key: ("***" if key in sensitive_fields else value) for key, value in data.items()}
 
 
+def path_is_valid(path: Any) -> bool:
+    """A sensitive output path: dot-separated non-empty segments (``*``: every list item)."""
+    return (
+        isinstance(path, str)
+        and 0 < len(path) <= 200
+        and all(segment for segment in path.split("."))
+        and path.isprintable()
+    )
+
+
 def digest(data: Any) -> str:
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
@@ -278,6 +296,12 @@ NOT_IN_FINGERPRINT = frozenset(
         "honours_key",
         "honours_deadline",
         "resend",
+        # masked when shown (runs.masking, from the current declaration), never at write
+        # time: it changes what people see, not what the tool does or what was recorded, so
+        # declaring it must not retire calls in flight or re-ask approvals. (Sensitive
+        # *arguments* are different: they are masked when written, into what an approver
+        # saw and approved, so they are part of the fingerprint.)
+        "sensitive_output",
     }
 )
 _FINGERPRINT_LENGTH = 16  # hex characters; ToolCall.tool_version holds up to 64
@@ -681,6 +705,19 @@ class Agent:
 
     def apply(self, state: dict[str, Any], step: StepView) -> dict[str, Any]:
         return state
+
+    def sensitive_outputs(self) -> dict[str, tuple[str, ...]]:
+        """Tool name -> the sensitive output paths it declares, for this agent's tools that
+        declare any (``runs.masking``)."""
+        found = {}
+        for name in self.tools:
+            try:
+                paths = registry.tool(name).sensitive_output
+            except UnknownTool:
+                continue
+            if paths:
+                found[name] = paths
+        return found
 
 
 class UnknownAgent(LookupError):

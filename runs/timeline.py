@@ -24,6 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from runs import jsonlimits
+from runs.masking import UNMASKED, Masker
 
 # Every event type the engine, the services and the approvals app write (DESIGN §2 and the
 # additions since). The admin's filter and the console's event search offer
@@ -366,12 +367,14 @@ def build(
     lease: LeaseNow | None = None,
     continued: bool = False,
     continues: bool = False,
+    mask: Masker = UNMASKED,
 ) -> list[Group]:
     """Group ``events`` (ascending ``seq``) into incarnations.
 
     ``steps``: seq → Step, attached to ``step.decided`` entries. ``lease``: the run's lease
     now, for the last incarnation (None for an older page, whose last group ``continues``).
-    ``continued``: events before the window exist.
+    ``continued``: events before the window exist. ``mask``: the viewer's masker for the
+    run (runs.masking), applied to each payload before anything is described from it.
     """
     steps = steps or {}
     groups: list[Group] = []
@@ -379,7 +382,9 @@ def build(
     # what happened since the last claim in the window (None: no claim seen yet)
     since_claim: list[str] | None = [] if not continued else None
     for index, event in enumerate(events):
-        payload = event.payload or {}
+        # structure (step numbers, fences) from the record; what is shown, masked
+        raw = event.payload or {}
+        payload = mask(raw)
         worker = _worker_of(event.actor)
         if since_claim is not None and event.type != "run.claimed":
             since_claim.append(event.type)
@@ -392,7 +397,7 @@ def build(
             incarnation=event.incarnation,
             text=describe(event.type, payload, event.actor),
             payload=payload,
-            step=steps.get(payload.get("seq")) if event.type == "step.decided" else None,
+            step=steps.get(raw.get("seq")) if event.type == "step.decided" else None,
             by_person=event.actor.startswith("user:"),
         )
         if event.type == "run.claimed":
@@ -400,9 +405,9 @@ def build(
                 _mark_lost(current, by=worker)
             current = Group(
                 kind="incarnation",
-                incarnation=payload.get("fence", event.incarnation),
+                incarnation=raw.get("fence", event.incarnation),
                 worker=worker,
-                recovered=bool(payload.get("recovered")),
+                recovered=bool(raw.get("recovered")),
                 cause=_claim_cause(since_claim),
                 started_at=event.created_at,
             )
@@ -512,15 +517,18 @@ def step_seqs(events: Sequence[Any]) -> list[int]:
     ]
 
 
-def reconciliation_history(events: Iterable[Any]) -> dict[tuple[Any, int], list[Entry]]:
+def reconciliation_history(
+    events: Iterable[Any], *, masks: Mapping[Any, Masker]
+) -> dict[tuple[Any, int], list[Entry]]:
     """(run id, step seq) → the lookups, unknown marks, dispatches and resolutions of that
-    call, oldest first: what the unknown-outcomes inbox shows under each call."""
+    call, oldest first: what the unknown-outcomes inbox shows under each call. ``masks``:
+    run id → the viewer's masker (runs.masking)."""
     history: dict[tuple[Any, int], list[Entry]] = {}
     for event in events:
-        payload = event.payload or {}
-        seq = payload.get("seq")
+        seq = (event.payload or {}).get("seq")
         if not isinstance(seq, int):
             continue
+        payload = masks[event.run_id](event.payload)
         history.setdefault((event.run_id, seq), []).append(
             Entry(
                 seq=event.seq,

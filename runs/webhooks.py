@@ -43,6 +43,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from runs.events import Checkpoint, register_event_listener
+from runs.masking import UNMASKED, maskers_for_ids
 from runs.models import ApiToken, WebhookDelivery
 
 log = logging.getLogger(__name__)
@@ -251,6 +252,16 @@ def _claim(delivery_id: int, attempts: int) -> bool:
     )
 
 
+def _shown(delivery: WebhookDelivery) -> Any:
+    """What leaves: the payload with the run's sensitive tool output masked (runs.masking).
+    Masked when sent, not when enqueued: the enqueue runs inside the engine's checkpoint,
+    which may not query; a copy that leaves the system is masked for everyone."""
+    if delivery.run_id is None:
+        return delivery.payload
+    masks = maskers_for_ids([delivery.run_id])
+    return masks.get(delivery.run_id, UNMASKED)(delivery.payload)
+
+
 def deliver(delivery: WebhookDelivery) -> bool:
     """Send one delivery (no transaction is open) and record the attempt."""
     token = delivery.token
@@ -263,7 +274,7 @@ def deliver(delivery: WebhookDelivery) -> bool:
         error, address = checked_address(token.webhook_url)
     permanent = bool(error)
     if not error:
-        body = encode(delivery.payload)
+        body = encode(_shown(delivery))
         timestamp = str(int(time.time()))
         headers = {
             "Content-Type": "application/json",

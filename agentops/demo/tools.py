@@ -100,6 +100,9 @@ LOOKUP_ORDER = Tool(
         "required": ["order_id"],
         "additionalProperties": False,
     },
+    # the order's customer is their email address: masked wherever the run is shown, also
+    # where an agent copied it (the refund's and the notification's arguments, the state)
+    sensitive_output=("customer",),
     timeout=settings.AGENTOPS["SANDBOX_TIMEOUT"],
 )
 

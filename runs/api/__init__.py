@@ -35,6 +35,7 @@ from runs.api_common import (
     has_perm,
 )
 from runs.idempotency import run_create_idempotent
+from runs.masking import Masker, maskers_for_ids
 from runs.models import AgentManifest, Run, RunEvent, ToolCall
 from runs.registry import Agent, Tool, registry
 from runs.remote import RemoteAgent, manifest_tool
@@ -167,7 +168,21 @@ class OpenWaitSerializer(serializers.Serializer):
         )
 
 
-class RunSerializer(serializers.ModelSerializer):
+class MaskedSerializerMixin:
+    """A serializer of what a run shows: sensitive tool output masked for the viewer
+    (runs.masking). The view may pass ``masks`` (run id -> Masker, one query for a page);
+    otherwise the masker of each run is built for the context's ``request.user`` — and with
+    no request, for nobody in particular (masked)."""
+
+    def mask_for(self, run_id: Any) -> Masker:
+        masks = self.context.setdefault("masks", {})
+        if run_id not in masks:
+            request = self.context.get("request")
+            masks.update(maskers_for_ids([run_id], user=getattr(request, "user", None)))
+        return masks[run_id]
+
+
+class RunSerializer(MaskedSerializerMixin, serializers.ModelSerializer):
     agent = serializers.CharField(source="agent_name")
     reason_code = serializers.CharField(help_text=REASON_HELP)
     requested_action = serializers.CharField(
@@ -223,9 +238,19 @@ class RunSerializer(serializers.ModelSerializer):
             return []
         return OpenWaitSerializer(selectors.open_waits(run_id=run.id), many=True).data
 
+    def to_representation(self, run: Run) -> dict[str, Any]:
+        data = super().to_representation(run)
+        mask = self.mask_for(run.id)
+        for name in ("input", "state", "result", "reason_detail", "open_waits"):
+            data[name] = mask(data[name])
+        return data
 
-class RunEventSerializer(serializers.ModelSerializer):
-    payload = serializers.JSONField(help_text="Sensitive values are masked at write time.")
+
+class RunEventSerializer(MaskedSerializerMixin, serializers.ModelSerializer):
+    payload = serializers.JSONField(
+        help_text="Sensitive arguments are masked at write time; sensitive tool output "
+        "(a tool's sensitive_output) when shown, unless you may view it."
+    )
 
     class Meta:
         model = RunEvent
@@ -243,6 +268,11 @@ class RunEventSerializer(serializers.ModelSerializer):
             "hash",
         ]
         read_only_fields = fields
+
+    def to_representation(self, event: RunEvent) -> dict[str, Any]:
+        data = super().to_representation(event)
+        data["payload"] = self.mask_for(event.run_id)(data["payload"])
+        return data
 
 
 class ToolApprovalPolicySerializer(serializers.Serializer):
@@ -269,6 +299,10 @@ class ToolSerializer(serializers.Serializer):
     effect = serializers.ChoiceField(choices=["read", "idempotent", "reconcilable", "unsafe"])
     argument_schema = serializers.JSONField()
     sensitive_fields = serializers.ListField(child=serializers.CharField())
+    sensitive_output = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="paths into the result whose values are masked when shown (docs/agents.md)",
+    )
     timeout = serializers.FloatField()
     approval = ToolApprovalPolicySerializer()
 
@@ -293,6 +327,7 @@ def _tool_data(tool: Tool, *, name: str | None = None) -> dict[str, Any]:
         "effect": str(tool.effect),
         "argument_schema": dict(tool.schema),
         "sensitive_fields": list(tool.sensitive_fields),
+        "sensitive_output": list(tool.sensitive_output),
         "timeout": tool.timeout,
         "approval": {
             "when": policy.describe().strip(),
@@ -312,11 +347,13 @@ class ToolReceiptSummarySerializer(serializers.Serializer):
     created_at = serializers.DateTimeField()
 
 
-class ToolCallSerializer(serializers.ModelSerializer):
+class ToolCallSerializer(MaskedSerializerMixin, serializers.ModelSerializer):
     run = serializers.UUIDField(source="run_id")
     step_seq = serializers.IntegerField(source="step.seq")
     arguments = serializers.JSONField(
-        source="arguments_masked", help_text="Sensitive fields are masked."
+        source="arguments_masked",
+        help_text="Sensitive fields are masked, and so is sensitive tool output copied into "
+        "them (unless you may view it).",
     )
     receipt = serializers.SerializerMethodField()
 
@@ -350,6 +387,13 @@ class ToolCallSerializer(serializers.ModelSerializer):
     def get_receipt(self, call: ToolCall) -> dict | None:
         receipt = getattr(call, "receipt", None)
         return ToolReceiptSummarySerializer(receipt).data if receipt is not None else None
+
+    def to_representation(self, call: ToolCall) -> dict[str, Any]:
+        data = super().to_representation(call)
+        mask = self.mask_for(call.run_id)
+        data["arguments"] = mask(data["arguments"])
+        data["last_error"] = mask(data["last_error"])
+        return data
 
 
 class ToolCallListFilterSerializer(QueryParamsSerializer):
@@ -539,7 +583,9 @@ class RunCollectionApi(generics.GenericAPIView):
                 )
             run, created = run_create_idempotent(key=key, body=request.data, actor=actor, **kwargs)
         code = status.HTTP_201_CREATED if created else status.HTTP_200_OK
-        return Response(RunSerializer(_run_detail(run.id)).data, status=code)
+        return Response(
+            RunSerializer(_run_detail(run.id), context={"request": request}).data, status=code
+        )
 
 
 class RunDetailApi(APIView):
@@ -550,7 +596,7 @@ class RunDetailApi(APIView):
         responses={200: RunSerializer, **errors("not_found")},
     )
     def get(self, request, run_id):
-        return Response(RunSerializer(_run_detail(run_id)).data)
+        return Response(RunSerializer(_run_detail(run_id), context={"request": request}).data)
 
 
 class RunEventListApi(generics.GenericAPIView):
@@ -569,7 +615,10 @@ class RunEventListApi(generics.GenericAPIView):
         if not Run.objects.filter(id=run_id).exists():
             raise ApiError("not_found", "Not found.")
         page = self.paginate_queryset(RunEvent.objects.filter(run_id=run_id))
-        return self.get_paginated_response(RunEventSerializer(page, many=True).data)
+        context = {"request": request}
+        return self.get_paginated_response(
+            RunEventSerializer(page, many=True, context=context).data
+        )
 
 
 class RunPauseApi(APIView):
@@ -584,7 +633,7 @@ class RunPauseApi(APIView):
         run = services.run_pause(
             run_id=run_id, actor=actor_for(request), reason=payload.validated_data["reason"]
         )
-        return Response(RunSerializer(_run_detail(run.id)).data)
+        return Response(RunSerializer(_run_detail(run.id), context={"request": request}).data)
 
 
 class RunResumeApi(APIView):
@@ -595,7 +644,7 @@ class RunResumeApi(APIView):
     )
     def post(self, request, run_id):
         run = services.run_resume(run_id=run_id, actor=actor_for(request))
-        return Response(RunSerializer(_run_detail(run.id)).data)
+        return Response(RunSerializer(_run_detail(run.id), context={"request": request}).data)
 
 
 class RunTerminateApi(APIView):
@@ -610,7 +659,7 @@ class RunTerminateApi(APIView):
         run = services.run_terminate(
             run_id=run_id, actor=actor_for(request), reason=payload.validated_data["reason"]
         )
-        return Response(RunSerializer(_run_detail(run.id)).data)
+        return Response(RunSerializer(_run_detail(run.id), context={"request": request}).data)
 
 
 class ToolCallListApi(generics.GenericAPIView):
@@ -627,7 +676,12 @@ class ToolCallListApi(generics.GenericAPIView):
         filters.is_valid(raise_exception=True)
         calls = selectors.toolcalls_for_api(**filters.validated_data)
         page = self.paginate_queryset(calls)
-        return self.get_paginated_response(ToolCallSerializer(page, many=True).data)
+        # the page's runs masked in one go (runs.masking)
+        masks = maskers_for_ids({call.run_id for call in page}, user=request.user)
+        context = {"request": request, "masks": masks}
+        return self.get_paginated_response(
+            ToolCallSerializer(page, many=True, context=context).data
+        )
 
 
 # --- operator actions of issue 3 (services in runs.services) --------------------------------
@@ -648,7 +702,7 @@ class RunBudgetApi(APIView):
         run = services.run_topup_budget(
             run_id=run_id, actor=actor_for(request), **payload.validated_data
         )
-        return Response(RunSerializer(_run_detail(run.id)).data)
+        return Response(RunSerializer(_run_detail(run.id), context={"request": request}).data)
 
 
 class RunForkApi(APIView):
@@ -664,7 +718,10 @@ class RunForkApi(APIView):
         payload = ForkInputSerializer(data=request.data)
         payload.is_valid(raise_exception=True)
         fork = services.run_fork(run_id=run_id, actor=actor_for(request), **payload.validated_data)
-        return Response(RunSerializer(_run_detail(fork.id)).data, status=status.HTTP_201_CREATED)
+        return Response(
+            RunSerializer(_run_detail(fork.id), context={"request": request}).data,
+            status=status.HTTP_201_CREATED,
+        )
 
 
 class RunRetryRecoveryApi(APIView):
@@ -675,7 +732,7 @@ class RunRetryRecoveryApi(APIView):
     )
     def post(self, request, run_id):
         run = services.run_retry_recovery(run_id=run_id, actor=actor_for(request))
-        return Response(RunSerializer(_run_detail(run.id)).data)
+        return Response(RunSerializer(_run_detail(run.id), context={"request": request}).data)
 
 
 class ToolCallResolutionApi(APIView):
@@ -695,4 +752,5 @@ class ToolCallResolutionApi(APIView):
         services.toolcall_resolve(
             tool_call_id=tool_call_id, actor=actor_for(request), **payload.validated_data
         )
-        return Response(ToolCallSerializer(selectors.toolcalls_for_api().get(id=tool_call_id)).data)
+        call = selectors.toolcalls_for_api().get(id=tool_call_id)
+        return Response(ToolCallSerializer(call, context={"request": request}).data)

@@ -942,6 +942,12 @@ class ManifestToolSerializer(serializers.Serializer):
     effect = serializers.ChoiceField(choices=["read", "idempotent", "reconcilable", "unsafe"])
     argument_schema = serializers.DictField(required=False, help_text="A JSON Schema (an object).")
     sensitive_fields = serializers.ListField(child=serializers.CharField(), required=False)
+    sensitive_output = serializers.ListField(
+        child=serializers.CharField(),
+        required=False,
+        help_text='Paths into the result whose values are masked when shown (dotted keys, "*" '
+        "for every list item), e.g. customer.email.",
+    )
     approval = ManifestApprovalSerializer(required=False)
     timeout = serializers.FloatField(required=False, min_value=0.001, max_value=86400)
     allowed_groups = serializers.ListField(child=serializers.CharField(), required=False)

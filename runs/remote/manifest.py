@@ -25,6 +25,7 @@ from runs.registry import (
     Tool,
     ToolContext,
     ToolResult,
+    path_is_valid,
     registry,
 )
 from runs.services import InvalidInput, InvalidState
@@ -125,6 +126,7 @@ def manifest_tool(agent_name: str, spec: Mapping[str, Any]) -> Tool:
         schema=spec.get("argument_schema") or {"type": "object"},
         description=spec.get("description", ""),
         sensitive_fields=tuple(spec.get("sensitive_fields", ())),
+        sensitive_output=tuple(spec.get("sensitive_output", ())),
         approval=_policy(spec.get("approval") or {}),
         allowed_groups=tuple(spec.get("allowed_groups", ())),
         timeout=float(spec.get("timeout", 10.0)),
@@ -163,6 +165,14 @@ class RemoteAgent(Agent):
         self.migration_notes = {
             source: hop.get("description", "")
             for source, hop in (manifest.migrations or {}).items()
+        }
+
+    def sensitive_outputs(self) -> dict[str, tuple[str, ...]]:
+        # from the manifest at hand: resolving each tool by name would read it again
+        return {
+            f"{self.name}{SEP}{name}": tuple(spec["sensitive_output"])
+            for name, spec in self.tool_specs.items()
+            if spec.get("sensitive_output")
         }
 
     def decide(self, ctx):  # pragma: no cover - remote agents decide in their own process
@@ -246,6 +256,7 @@ TOOL_KEYS = {
     "effect",
     "argument_schema",
     "sensitive_fields",
+    "sensitive_output",
     "approval",
     "timeout",
     "allowed_groups",
@@ -280,6 +291,11 @@ def _tool_errors(spec: Any) -> list[str]:
     sensitive = spec.get("sensitive_fields", [])
     if not isinstance(sensitive, list) or not all(isinstance(s, str) for s in sensitive):
         errors.append("sensitive_fields: a list of argument names")
+    paths = spec.get("sensitive_output", [])
+    if not isinstance(paths, list) or not all(path_is_valid(p) for p in paths):
+        errors.append(
+            'sensitive_output: a list of result paths (dotted keys, "*" for every list item)'
+        )
     timeout = spec.get("timeout", 10.0)
     if (
         not isinstance(timeout, int | float)

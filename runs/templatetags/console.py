@@ -1,8 +1,10 @@
-"""Template helpers for the console: relative times with the absolute time beside them."""
+"""Template helpers for the console: relative times with the absolute time beside them, and
+what a viewer may see of a run's sensitive values."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from django import template
 from django.utils import timezone
@@ -10,6 +12,8 @@ from django.utils.formats import date_format
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.timesince import timesince, timeuntil
+
+from runs.masking import Masker
 
 register = template.Library()
 
@@ -54,3 +58,21 @@ def localstamp(value: datetime | None) -> SafeString | str:
 def shortid(value: object) -> str:
     """The first 8 hex digits of a UUID: what operators read aloud and type into search."""
     return str(value)[:8]
+
+
+@register.filter(name="masked")
+def masked(value: Any, masker: Masker) -> Any:
+    """``value`` as this viewer may see it: sensitive tool output masked (runs.masking). The
+    view puts the run's masker in the context as ``mask``; without one this fails rather
+    than show the values."""
+    if not isinstance(masker, Masker):
+        raise TypeError("masked: the context has no masker for this run")
+    return masker(value)
+
+
+@register.filter(name="masked_result")
+def masked_result(call: Any, masker: Masker) -> Any:
+    """A tool call's receipt result as this viewer may see it (its declared paths too)."""
+    if not isinstance(masker, Masker):
+        raise TypeError("masked_result: the context has no masker for this run")
+    return masker.output(call.tool_name, call.receipt.result)

@@ -18,6 +18,7 @@ from runs import selectors, waits
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
 from runs.forms import UnclippedCharField
+from runs.masking import masker_for, maskers_for_ids
 from runs.models import Question
 from runs.services import InvalidInput
 
@@ -46,6 +47,10 @@ class AnswerForm(forms.Form):
 @login_required
 def question_inbox(request: HtmxHttpRequest) -> HttpResponse:
     open_questions, settled = selectors.question_inbox(user=request.user)
+    # a question may quote a value the agent read (runs.masking): shown masked
+    masks = maskers_for_ids({q.run_id for q in [*open_questions, *settled]}, user=request.user)
+    for question in [*open_questions, *settled]:
+        question.text_shown = masks[question.run_id](question.text)
     now = timezone.now()
     context = {
         "open_questions": [
@@ -94,6 +99,7 @@ def question_detail(request: HtmxHttpRequest, question_id: int) -> HttpResponse:
             status = 400
     context = {
         "question": question,
+        "question_text": masker_for(question.run, user=request.user)(question.text),
         "run": question.run,
         "may_answer": may_answer and question.status == Question.Status.OPEN,
         "form": form,

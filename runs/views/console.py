@@ -29,6 +29,7 @@ from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
 from runs.events import RunNotFound
 from runs.forms import UnclippedCharField
+from runs.masking import maskers_for
 from runs.models import Run
 from runs.registry import UnknownAgent, registry
 from runs.timeline import EVENT_TYPES
@@ -67,6 +68,10 @@ def dashboard(request: HtmxHttpRequest) -> HttpResponse:
     context["needs_count"] = sum(
         len(context[k]) for k in ("needs_attention", "unknown_calls", "expiring")
     )
+    # a reason may quote a value the agent read (runs.masking): shown masked
+    masks = maskers_for(context["needs_attention"], user=request.user)
+    for run in context["needs_attention"]:
+        run.reason_shown = masks[run.id](run.reason_detail)
     template = "runs/dashboard.html#dashboard-live" if request.htmx else "runs/dashboard.html"
     return render(request, template, context)
 

@@ -29,7 +29,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 from django_htmx.middleware import HtmxDetails
 
-from runs import jsonlimits, selectors, services, timeline
+from runs import jsonlimits, masking, selectors, services, timeline
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
 from runs.events import RunNotFound
@@ -204,11 +204,13 @@ def _context(
     if action and form is not None:
         forms_by_action[action] = form
     lease_live = _lease_live(run)
+    mask = masking.masker_for(run, user=request.user)
     groups = timeline.build(
         detail.events,
         steps=detail.steps,
         lease=timeline.LeaseNow(owner=run.lease_owner, fence=run.fence, live=lease_live),
         continued=detail.has_older,
+        mask=mask,
     )
     unknown_calls = [c for c in detail.calls if c.status == ToolCall.Status.UNKNOWN]
     awaiting = [
@@ -236,8 +238,10 @@ def _context(
         "flash": flash,
         "unknown_calls": unknown_calls,
         "awaiting": awaiting,
-        "state_json": jsonlimits.pretty(run.state),
-        "result_json": jsonlimits.pretty(run.result) if run.result is not None else "",
+        # the template masks the rest (calls, receipts, waits) with the ``masked`` filters
+        "mask": mask,
+        "state_json": jsonlimits.pretty(mask(run.state)),
+        "result_json": jsonlimits.pretty(mask(run.result)) if run.result is not None else "",
     }
 
 
@@ -299,13 +303,18 @@ def run_events(request: HtmxHttpRequest, run_id: Any) -> HttpResponse:
         before = 0
     if not 1 <= before <= 2**63 - 1:
         return HttpResponse("before must be an event number", status=400)
-    if not Run.objects.filter(id=run_id).exists():
+    run = Run.objects.filter(id=run_id).only("id", "agent_name").first()
+    if run is None:
         raise Http404("no such run")
     events, has_older = selectors.run_events_page(run_id=run_id, before=before)
     steps = selectors.steps_by_seq(run_id=run_id, seqs=timeline.step_seqs(events))
+    mask = masking.masker_for(run, user=request.user)
     context = {
         "run_id": run_id,
-        "groups": timeline.build(events, steps=steps, continued=has_older, continues=True),
+        "mask": mask,
+        "groups": timeline.build(
+            events, steps=steps, continued=has_older, continues=True, mask=mask
+        ),
         "has_older": has_older,
         "oldest_seq": events[0].seq if events else None,
     }

@@ -23,6 +23,7 @@ from runs import jsonlimits, selectors, services, timeline
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
 from runs.forms import UnclippedCharField
+from runs.masking import Masker, maskers_for
 from runs.models import Run, RunEvent, ToolCall
 from runs.registry import Effect, Tool, UnknownTool, registry
 from runs.services import Resolution
@@ -115,6 +116,7 @@ def _row(
     call: ToolCall,
     history: list[timeline.Entry],
     tools: _Tools,
+    mask: Masker,
     *,
     form: ResolveForm | None = None,
     error: str = "",
@@ -127,7 +129,8 @@ def _row(
         "call": call,
         "run": call.run,
         "history": history,
-        "arguments_json": jsonlimits.pretty(call.arguments_masked),
+        "arguments_json": jsonlimits.pretty(mask(call.arguments_masked)),
+        "last_error": mask(call.last_error),
         "unsafe": call.effect == Effect.UNSAFE,
         "retired": not current,
         "waiting": waiting,
@@ -144,8 +147,10 @@ def _row(
     }
 
 
-def _history(events: list[RunEvent]) -> dict[tuple[Any, int], list[timeline.Entry]]:
-    return timeline.reconciliation_history(events)
+def _history(
+    events: list[RunEvent], masks: dict[Any, Masker]
+) -> dict[tuple[Any, int], list[timeline.Entry]]:
+    return timeline.reconciliation_history(events, masks=masks)
 
 
 @login_required
@@ -154,9 +159,10 @@ def unknown_inbox(request: HtmxHttpRequest) -> HttpResponse:
     if not _may_view(request.user):
         return _refused(request, "see unknown tool outcomes", "runs.view_toolcall")
     calls, events, total = selectors.unknown_outcomes(limit=selectors.UNKNOWN_SHOWN)
-    history = _history(events)
+    masks = maskers_for({c.run_id: c.run for c in calls}.values(), user=request.user)
+    history = _history(events, masks)
     tools = _Tools()
-    rows = [_row(c, history.get((c.run_id, c.step.seq), []), tools) for c in calls]
+    rows = [_row(c, history.get((c.run_id, c.step.seq), []), tools, masks[c.run_id]) for c in calls]
     context = {
         "waiting": [r for r in rows if r["waiting"]],
         "automatic": [r for r in rows if not r["waiting"] and not r["ended"]],
@@ -239,8 +245,9 @@ def _row_response(
 ) -> HttpResponse:
     """The call's card with the form's errors or the refusal; nothing was changed. htmx gets
     the card (base.html tells htmx to swap 4xx answers in); a plain POST a page of its own."""
-    history = _history(events).get((call.run_id, call.step.seq), [])
-    row = _row(call, history, _Tools(), form=form, error=error)
+    masks = maskers_for([call.run], user=request.user)
+    history = _history(events, masks).get((call.run_id, call.step.seq), [])
+    row = _row(call, history, _Tools(), masks[call.run_id], form=form, error=error)
     may_resolve = request.user.has_perm(RESOLVE)
     template = "runs/unknown.html#outcome-row" if request.htmx else "runs/unknown_resolve.html"
     return render(

@@ -17,6 +17,7 @@ from django.views.decorators.http import require_http_methods
 
 from runs import waits
 from runs.actors import PermissionDenied
+from runs.masking import masker_for
 from runs.models import Question, QuestionLink
 from runs.services import InvalidInput
 
@@ -55,6 +56,7 @@ def _page(
         question = link.question
         context.update(
             question=question,
+            question_text=masker_for(question.run, user=request.user)(question.text),
             run=question.run,
             seconds_left=max(0, int((question.expires_at - timezone.now()).total_seconds())),
         )

@@ -34,8 +34,9 @@ def test_list_query_count_is_flat(
     as_operator, waiting_run, attention_run, django_assert_num_queries
 ):
     as_operator.get("/api/v1/tool-calls/")
-    # token, user permissions, group permissions, the page (with step and receipt joined)
-    with django_assert_num_queries(4):
+    # token, user permissions, group permissions, the page (with step and receipt joined),
+    # then for masking (runs.masking) the page's runs and their declared tools' receipts
+    with django_assert_num_queries(6):
         assert len(as_operator.get("/api/v1/tool-calls/").json()["results"]) == 2
 
 

@@ -4,7 +4,9 @@ Streams run events with ``since <= created_at < until`` to stdout (or ``--output
 constant memory: keyset-paginated queries of ``--chunk-size`` rows, each written out before
 the next is read. Dates are ISO 8601 (``2026-12-03``, ``2026-12-03T14:00``,
 ``2026-12-03T14:00:00+01:00``); a date or a time without an offset is in ``TIME_ZONE``.
-Payloads are masked at write time, so an export holds no sensitive argument values.
+Sensitive arguments are masked at write time, and the run's sensitive tool output is masked
+as it is written out (runs.masking): an export holds neither. A masked payload no longer
+matches its ``payload_digest``; the chain (``prev_hash`` / ``hash``) is over the digests.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from runs.audit import (
     jsonl_lines,
     keyset_iterate,
 )
+from runs.masking import masked_rows
 from runs.models import Run
 
 
@@ -84,9 +87,13 @@ class Command(BaseCommand):
             if not Run.objects.filter(id=run_id).exists():
                 raise CommandError(f"run {run_id} does not exist")
         events = events_for_export(since=since, until=until, run_id=run_id, types=options["type"])
-        rows = (
-            event_row(event) for event in keyset_iterate(events, chunk_size=options["chunk_size"])
+        events = masked_rows(
+            keyset_iterate(events, chunk_size=options["chunk_size"]),
+            run_id=lambda event: event["run_id"],
+            fields=("payload",),
+            chunk_size=options["chunk_size"],
         )
+        rows = (event_row(event) for event in events)
         self._csv = fmt == "csv"
         lines = csv_lines(EVENT_COLUMNS, rows) if self._csv else jsonl_lines(rows)
         try:
