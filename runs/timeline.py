@@ -483,7 +483,7 @@ _CLAIM_CAUSES = (
 
 
 def _claim_cause(since_claim: list[str] | None) -> str:
-    """"" for the run's first claim (or when the window does not show what came before)."""
+    """ "" for the run's first claim (or when the window does not show what came before)."""
     if not since_claim:
         return ""
     for event_type, cause in _CLAIM_CAUSES:
