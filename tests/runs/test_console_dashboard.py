@@ -266,10 +266,11 @@ def test_query_count_is_constant(client, operator, system_actor, django_assert_n
     client.force_login(operator)
 
     # session, user, permissions (user + group), counts, parked runs, unknown calls,
-    # expiring approvals, workers, recent events, recent alerts
-    with django_assert_num_queries(11):
+    # expiring approvals, workers, recent events, recent alerts, undelivered emails and
+    # webhook deliveries
+    with django_assert_num_queries(13):
         page = client.get(DASHBOARD)
-    with django_assert_num_queries(11):
+    with django_assert_num_queries(13):
         partial = client.get(DASHBOARD, headers={"HX-Request": "true"})
     assert page.status_code == partial.status_code == 200
     assert len(page.context["needs_attention"]) == scale
