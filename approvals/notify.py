@@ -25,6 +25,7 @@ from approvals import selectors
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs import jsonlimits, outbox
 from runs.models import Run, ToolCall
+from runs.registry import call_summary
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,8 @@ def _context(approval: Approval) -> dict[str, Any]:
         "run": run,
         "call": call,
         "arguments_json": jsonlimits.pretty(approval.arguments_masked),
+        # what the call does, in one line (the tool's summary of its masked arguments)
+        "summary": call_summary(approval.tool_name, approval.arguments_masked),
         "risk": call.effect,
         "risk_text": RISK.get(call.effect, call.effect),
         "decisions": list(approval.decisions.select_related("decider")),
@@ -162,8 +165,8 @@ def render_request(row: Any) -> EmailMultiAlternatives | None:
     context = _context(approval)
     prefix = "Reminder: approval" if kind == ApprovalLink.Kind.REMINDER else "Approval"
     subject = (
-        f"{prefix} needed: {approval.tool_name} for run {str(approval.run_id)[:8]} "
-        f"({context['run'].agent_name})"
+        f"{prefix} needed: {context['summary']} (run {str(approval.run_id)[:8]}, "
+        f"{context['run'].agent_name})"
     )
     link_text = link_url(outbox.link_token(row.payload["seed"]))
     return _message(
@@ -182,8 +185,8 @@ def render_notice(row: Any) -> EmailMultiAlternatives | None:
     principal = context["run"].principal
     what = row.payload["what"]
     subject = (
-        f"Approval {what}: {approval.tool_name} for run {str(approval.run_id)[:8]} "
-        f"({context['run'].agent_name})"
+        f"Approval {what}: {context['summary']} (run {str(approval.run_id)[:8]}, "
+        f"{context['run'].agent_name})"
     )
     return _message(
         subject=subject,

@@ -24,6 +24,7 @@ from datetime import datetime
 from typing import Any
 
 from runs import jsonlimits
+from runs.registry import call_summary
 
 # Event types after which the worker that wrote them holds no lease any more.
 _RELEASING = frozenset(
@@ -197,7 +198,13 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
         case "tool.cancelled":
             return f"{_call(p)} cancelled ({p.get('reason', '')})"
         case "approval.requested":
-            return f"approval #{p.get('approval')} requested for {_call(p)} from {p.get('group')}"
+            what = ""
+            if p.get("tool") and isinstance(p.get("arguments"), Mapping):
+                what = f": {call_summary(p['tool'], p['arguments'])}"
+            return (
+                f"approval #{p.get('approval')} requested for {_call(p)} from {p.get('group')}"
+                + what
+            )
         case "approval.decided":
             return f"approval #{p.get('approval')} {p.get('decision')} by {by}"
         case "approval.consumed":

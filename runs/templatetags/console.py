@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import datetime
+from typing import Any
 
 from django import template
 from django.utils import timezone
@@ -10,6 +11,8 @@ from django.utils.formats import date_format
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 from django.utils.timesince import timesince, timeuntil
+
+from runs.registry import call_summary
 
 register = template.Library()
 
@@ -48,6 +51,13 @@ def localstamp(value: datetime | None) -> SafeString | str:
     return format_html(
         '<time datetime="{}">{}</time>', value.isoformat(), date_format(local, "Y-m-d H:i:s T")
     )
+
+
+@register.filter(name="call_summary")
+def call_summary_filter(value: Any) -> str:
+    """One line that says what a call (a ``ToolCall`` or an ``Approval``) does, from its
+    masked arguments (``runs.registry.call_summary``)."""
+    return call_summary(value.tool_name, value.arguments_masked)
 
 
 @register.filter(name="shortid")
