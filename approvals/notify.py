@@ -29,7 +29,6 @@ from runs.registry import call_summary
 
 log = logging.getLogger(__name__)
 
-EMAIL_ACTOR = "system"
 EMAIL_CHANNEL = "email"
 
 RISK = {

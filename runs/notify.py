@@ -32,7 +32,6 @@ from runs.models import Question, QuestionLink
 
 log = logging.getLogger(__name__)
 
-EMAIL_ACTOR = "system"
 EMAIL_CHANNEL = "email"
 QUESTION_KIND = "question"
 

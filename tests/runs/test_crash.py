@@ -147,6 +147,7 @@ def test_a_short_chaos_run_kills_at_every_boundary_pauses_in_every_mode_and_brea
     assert report["lost_notifications"] == 0
     assert report["duplicate_notifications"] <= report["duplicate_notifications_allowed"]
     assert report["max_notification_seconds"] < 30
+    assert report["scanner_decisions"] == 0  # a scanner opening every link decided nothing
     # the kill round's six and at least one per notify point, and one per pause round; the
     # person round's paused refund waits for a person after its absent lookup instead of
     # being sent again

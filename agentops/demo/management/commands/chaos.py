@@ -93,16 +93,14 @@ WORKER_DEFAULTS = {
     "LOG_LEVEL": "WARNING",
 }
 
-# The order of the boundary kills. After approval_requested and run_finished (and a decided
-# that shares their commit) the dying run holds no lease, so those kills are proven through
-# ANOTHER run the worker held: such a crash worker runs several task processes and goes
-# while many runs are in flight. The others run one task process, so each kill uses up as
-# little of the runs' remaining work as possible, and follow a run's life.
+# The order of the boundary kills (the outbox's last). After approval_requested and
+# run_finished (and a decided that shares their commit) the dying run holds no lease, so
+# those kills are proven through ANOTHER run the worker held: such a crash worker runs
+# several task processes and goes while many runs are in flight. The others run one task
+# process, so each kill uses up as little of the runs' remaining work as possible, and
+# follow a run's life.
 KILL_ORDER = (
     "approval_requested",
-    "notify_enqueued",
-    "notify_claimed",
-    "notify_sent",
     "claimed",
     "decided",
     "dispatching",
@@ -111,6 +109,10 @@ KILL_ORDER = (
     "receipt_recorded",
     "step_completed",
     "run_finished",
+    # last: each brings a fresh run that needs an approval, and needs no other run in flight
+    "notify_enqueued",
+    "notify_claimed",
+    "notify_sent",
 )
 NEEDS_COMPANY = ("approval_requested", "decided", "run_finished")
 # the outbox's points: proven by the kill itself (the worker said it died there) and by the
@@ -569,6 +571,7 @@ class Harness:
         self.approval_due: dict[str, float] = {}
         self.unnotified: set[str] = set()
         self.broken_links: list[str] = []
+        self.scanner_decisions: list[str] = []
         # when a worker was last started (monotonic, wall): "alive again" for the grace
         self.last_start = 0.0
         self.starts: list[datetime] = []
@@ -993,7 +996,9 @@ class Harness:
 
     def _decide_by_link(self, approval_id: Any, path: str) -> None:
         """What a person does with the email: opens the link signed in, reads the page,
-        ticks the box and approves."""
+        ticks the box and approves. Before them, a mail scanner opens the link and submits
+        its form as it is (signed out, and in the approver's own browser): it must decide
+        nothing (``scanner_decisions``)."""
         from urllib.parse import urlsplit
 
         from django.test import Client
@@ -1001,9 +1006,17 @@ class Harness:
         from approvals.models import Approval
 
         base = urlsplit(settings.AGENTOPS["BASE_URL"])
-        browser = Client(HTTP_HOST=base.hostname or "localhost")
+        host, secure = base.hostname or "localhost", base.scheme == "https"
+        browser = Client(HTTP_HOST=host)
         browser.force_login(self.approver)
-        secure = base.scheme == "https"
+        scanner = Client(HTTP_HOST=host)
+        scanner.get(path, secure=secure)
+        scanner.post(path, {"decision": "approve"}, secure=secure)
+        browser.post(path, {"decision": "approve"}, secure=secure)  # the box left unticked
+        if not Approval.objects.filter(id=approval_id, status=Approval.Status.PENDING).exists():
+            self.scanner_decisions.append(str(approval_id))
+            self.notes.append(f"approval {approval_id}: decided by a link scanner")
+            return
         page = browser.get(path, secure=secure)
         answer = None
         if page.status_code == 200 and b'name="decision"' in page.content:
@@ -1050,8 +1063,11 @@ class Harness:
         attempts: Counter[str] = Counter()
         while pending:
             if self._all_terminal():
-                self.unreached.extend(pending)
-                break
+                # the outbox's kills bring their own run; the others need runs in flight
+                self.unreached.extend(b for b in pending if b not in NOTIFY_BOUNDARIES)
+                pending = deque(b for b in pending if b in NOTIFY_BOUNDARIES)
+                if not pending:
+                    break
             boundary = pending.popleft()
             attempts[boundary] += 1
             if boundary in NOTIFY_BOUNDARIES or (
@@ -1473,6 +1489,7 @@ class Harness:
                 "duplicate_notifications": None,
                 "duplicate_notifications_allowed": 0,
                 "max_notification_seconds": None,
+                "scanner_decisions": None,
             }
         received = self.sink.snapshot()
         copies = Counter(m.message_id for m in received if m.message_id)
@@ -1504,6 +1521,7 @@ class Harness:
             "duplicate_notifications": duplicates,
             "duplicate_notifications_allowed": allowed,
             "max_notification_seconds": round(max(delays), 2) if delays else None,
+            "scanner_decisions": len(self.scanner_decisions),
         }
 
     # --- clean-up -----------------------------------------------------------------------------
