@@ -162,10 +162,11 @@ def test_demo_runs_succeed_and_one_ctrl_c_stops_everything(demo):
     assert "refund" in page
     # the approval email (printed to the worker's log) links to this demo's port, and opens
     worker_log = demo.var_dir / "log" / "worker.log"
-    links = re.findall(
-        r"(http://127\.0\.0\.1:(\d+)(/approvals/link/[\w-]+/))", worker_log.read_text()
-    )
-    assert links, worker_log.read_text()[-2000:]
+    link_in_log = re.compile(r"(http://127\.0\.0\.1:(\d+)(/approvals/link/[\w-]+/))")
+    deadline = time.monotonic() + 20  # sent right after the commit that parked the run
+    while not (links := link_in_log.findall(worker_log.read_text())):
+        assert time.monotonic() < deadline, worker_log.read_text()[-2000:]
+        time.sleep(0.2)
     assert {port for _, port, _ in links} == {str(demo.web_port)}
     assert f"emailed links open {demo.url}" in demo.output()
     opened = client.get(links[0][2])
