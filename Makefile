@@ -21,7 +21,7 @@ compile: install
 
 # migrate, demo login + demo runs, then web + worker + sandbox together (Ctrl-C stops all)
 run: install
-	DEBUG=$${DEBUG:-1} $(BIN)/python manage.py rundemo
+	DEBUG=$${DEBUG:-1} $(BIN)/python manage.py rundemo $(if $(PORT),--port $(PORT))
 
 # the whole suite; set DATABASE_URL to run it on another database
 test: install

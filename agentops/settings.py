@@ -355,8 +355,11 @@ AGENTOPS = {
     "SANDBOX_RESEND": env_str("AGENTOPS_SANDBOX_RESEND", "auto"),
     # the demo tools' total timeout (seconds) for one call, connection set-up included
     "SANDBOX_TIMEOUT": env_float("AGENTOPS_SANDBOX_TIMEOUT", 5.0),
-    # absolute links in emails (approval links) start with this
-    "BASE_URL": env_str("AGENTOPS_BASE_URL", "http://127.0.0.1:8000"),
+    # absolute links in emails (approval and question links, alerts) start with this: the
+    # address people open the console at. `rundemo --port N` sets it for its processes; in
+    # production it has no default, and `check --deploy` requires it when email is sent
+    # (runs/checks.py)
+    "BASE_URL": env_str("AGENTOPS_BASE_URL", "http://127.0.0.1:8000" if DEBUG else ""),
     # a pending approval's approvers are reminded once, this many seconds before it
     # expires (0: never); only approvals that live longer than this get a reminder
     "APPROVAL_REMINDER_BEFORE": env_float("AGENTOPS_APPROVAL_REMINDER_BEFORE", 3600.0),
@@ -366,6 +369,15 @@ AGENTOPS = {
     # a failed delivery is retried after BACKOFF * 2^(attempt-1) seconds, MAX_ATTEMPTS in all
     "WEBHOOK_BACKOFF": env_float("AGENTOPS_WEBHOOK_BACKOFF", 5.0),
     "WEBHOOK_MAX_ATTEMPTS": env_int("AGENTOPS_WEBHOOK_MAX_ATTEMPTS", 8),
+    # the outbox (runs.outbox, DESIGN §9): emails and webhook deliveries. A claim keeps other
+    # drainers off a message this long; one SMTP/HTTP send may take SEND_TIMEOUT of it, and
+    # must start before the claim has less than that left
+    "OUTBOX_CLAIM_SECONDS": env_float("AGENTOPS_OUTBOX_CLAIM_SECONDS", 30.0),
+    "OUTBOX_SEND_TIMEOUT": env_float("AGENTOPS_OUTBOX_SEND_TIMEOUT", 10.0),
+    # a failed email is retried after BACKOFF * 2^(attempt-1) seconds (at most an hour),
+    # MAX_ATTEMPTS in all; then it is ``failed``: on the dashboard and in /metrics
+    "OUTBOX_BACKOFF": env_float("AGENTOPS_OUTBOX_BACKOFF", 5.0),
+    "OUTBOX_MAX_ATTEMPTS": env_int("AGENTOPS_OUTBOX_MAX_ATTEMPTS", 8),
     # retention (``manage.py prune``, docs/audit.md): terminal runs that ended longer ago
     # than this have their bulky data emptied (events are kept); archived first to this
     # directory when it is set
@@ -377,6 +389,11 @@ AGENTOPS = {
     # the dashboard's "needs me" list shows pending approvals expiring within this many seconds
     "APPROVAL_EXPIRING_WITHIN": env_float("AGENTOPS_APPROVAL_EXPIRING_WITHIN", 3600.0),
 }
+if AGENTOPS["OUTBOX_CLAIM_SECONDS"] <= AGENTOPS["OUTBOX_SEND_TIMEOUT"] + 1:
+    # the pre-send check would never pass: no message would ever be sent
+    raise ImproperlyConfigured(
+        "AGENTOPS_OUTBOX_CLAIM_SECONDS must exceed AGENTOPS_OUTBOX_SEND_TIMEOUT + 1"
+    )
 _unknown_honours = set(AGENTOPS["SANDBOX_HONOURS"]) - {"key", "deadline"}
 if _unknown_honours:
     raise ImproperlyConfigured(

@@ -12,6 +12,11 @@ class ApprovalsConfig(AppConfig):
 
         register_gate(ApprovalsGate())
 
+        # approval emails go through the outbox of runs (runs.outbox): how they look
+        from approvals import notify
+
+        notify.install()
+
         from approvals.services import approvals_expire_due, approvals_remind_due
         from runs.sweeper import register_sweep_hook
 

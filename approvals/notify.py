@@ -1,37 +1,35 @@
-"""Approval emails: who gets one, the single-use links they carry, and sending them.
+"""Approval emails: who gets one, the single-use links they carry, and how they look.
 
-Links are made inside the transaction that requests the approval (only the token's sha256
-is stored); the raw tokens live in memory until the commit, when the emails are sent and
-``approval.email_sent`` is appended. Nothing here sends mail inside a transaction: a rolled
-back request sends nothing, and a slow mail server never holds a lock.
+Links and their emails are made inside the transaction that requests the approval (or
+reminds, escalates, rejects, expires it): one ``runs.outbox`` row per recipient, written in
+that commit, sent after it by whoever committed or by any worker's sweeper — a process
+killed between the commit and the send loses no email (DESIGN §9). Only the token's sha256
+is stored with the link; the outbox row holds the seed it is derived from
+(``runs.outbox.link_token``). Each attempt is recorded on the run (``approval.email_sent`` /
+``approval.email_failed``); a failed one is retried with backoff.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import secrets
-from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.core.mail import EmailMultiAlternatives, get_connection
-from django.db import transaction
+from django.core.mail import EmailMultiAlternatives
 from django.template.loader import render_to_string
 from django.urls import reverse
 
 from approvals import selectors
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
-from runs import jsonlimits
-from runs.events import checkpoint
+from runs import jsonlimits, outbox
 from runs.masking import masker_for
 from runs.models import Run, ToolCall
+from runs.registry import call_summary
 
 log = logging.getLogger(__name__)
 
-EMAIL_ACTOR = "system"
 EMAIL_CHANNEL = "email"
 
 RISK = {
@@ -43,7 +41,7 @@ RISK = {
 
 
 def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
+    return outbox.hash_token(token)
 
 
 def link_url(token: str) -> str:
@@ -78,29 +76,46 @@ def eligible_approvers(approval: Approval, *, principal_id: Any) -> list[Any]:
 def links_create_and_email(
     *, approval: Approval, principal_id: Any, kind: str = ApprovalLink.Kind.REQUEST
 ) -> int:
-    """Inside the requesting transaction: one link per eligible approver; the emails go out
-    when it commits. Returns how many are due to be sent."""
-    outgoing: list[tuple[Any, str]] = []
-    for user in eligible_approvers(approval, principal_id=principal_id):
-        token = secrets.token_urlsafe(32)  # 256 bits
-        ApprovalLink.objects.create(
-            approval=approval, approver=user, token_hash=hash_token(token), kind=kind
+    """Inside the requesting transaction: one link and one outbox email per eligible
+    approver. Returns how many are due to be sent."""
+    emails = [
+        outbox.emailed_link(
+            kind=REQUEST_KIND,
+            recipient=user,
+            run_id=approval.run_id,
+            payload={"approval": approval.id, "kind": kind},
+            create_link=partial(
+                ApprovalLink.objects.create, approval=approval, approver=user, kind=kind
+            ),
         )
-        outgoing.append((user.pk, token))
-    if outgoing:
-        transaction.on_commit(
-            partial(_send_approval_emails, approval.id, kind, outgoing), robust=True
-        )
-    return len(outgoing)
+        for user in eligible_approvers(approval, principal_id=principal_id)
+    ]
+    outbox.emails_enqueue(emails)
+    return len(emails)
 
 
-def principal_notice_on_commit(*, approval_id: Any, what: str) -> None:
-    """Tell the run's principal (if they have an email) that an approval was rejected or
-    expired, once the transaction that settled it commits."""
-    transaction.on_commit(partial(_send_principal_notice, approval_id, what), robust=True)
+def principal_notice_enqueue(*, approval: Approval, principal: Any, what: str) -> None:
+    """Inside the transaction that rejected or expired the approval: tell the run's
+    principal, if they have an email address."""
+    if principal is None or not principal.email or not principal.is_active:
+        return
+    outbox.emails_enqueue(
+        [
+            outbox.Email(
+                kind=NOTICE_KIND,
+                to_address=principal.email,
+                recipient_id=principal.pk,
+                run_id=approval.run_id,
+                payload={"approval": approval.id, "what": what},
+            )
+        ]
+    )
 
 
-# --- after commit ------------------------------------------------------------------------
+# --- when the outbox sends them ------------------------------------------------------------
+
+REQUEST_KIND = "approval.request"
+NOTICE_KIND = "approval.notice"
 
 
 def _context(approval: Approval) -> dict[str, Any]:
@@ -112,6 +127,8 @@ def _context(approval: Approval) -> dict[str, Any]:
         "call": call,
         # an email is shown to nobody in particular: sensitive tool output masked
         "arguments_json": jsonlimits.pretty(masker_for(run)(approval.arguments_masked)),
+        # what the call does, in one line (the tool's summary of its masked arguments)
+        "summary": call_summary(approval.tool_name, masker_for(run)(approval.arguments_masked)),
         "risk": call.effect,
         "risk_text": RISK.get(call.effect, call.effect),
         "decisions": list(approval.decisions.select_related("decider")),
@@ -119,7 +136,7 @@ def _context(approval: Approval) -> dict[str, Any]:
 
 
 def _message(
-    *, subject: str, template: str, context: dict[str, Any], to: str, connection
+    *, subject: str, template: str, context: dict[str, Any], to: str
 ) -> EmailMultiAlternatives:
     text = render_to_string(f"approvals/email/{template}.txt", context)
     html = render_to_string(f"approvals/email/{template}.html", context)
@@ -128,79 +145,71 @@ def _message(
         body=text,
         from_email=settings.DEFAULT_FROM_EMAIL,
         to=[to],
-        connection=connection,
+        # what the message is about, for mail filters (and the chaos harness's sink)
+        headers={"X-Agentops-Approval": str(context["approval"].id)},
     )
     message.attach_alternative(html, "text/html")
     return message
 
 
-def _send_approval_emails(approval_id: Any, kind: str, outgoing: Iterable[tuple[Any, str]]) -> None:
-    approval = Approval.objects.get(id=approval_id)
-    users = get_user_model().objects.in_bulk([pk for pk, _ in outgoing])
+def render_request(row: Any) -> EmailMultiAlternatives | None:
+    approval = Approval.objects.filter(id=row.payload["approval"]).first()
+    link = ApprovalLink.objects.filter(id=row.payload["link"]).first()
+    if approval is None or link is None or link.used_at is not None:
+        return None
+    if approval.status != Approval.Status.PENDING:
+        return None  # decided, expired or escalated before its turn came: nothing to ask
+    user = get_user_model().objects.filter(pk=row.recipient_id).first()
+    if user is None:
+        return None
+    kind = row.payload.get("kind", ApprovalLink.Kind.REQUEST)
     context = _context(approval)
     prefix = "Reminder: approval" if kind == ApprovalLink.Kind.REMINDER else "Approval"
     subject = (
-        f"{prefix} needed: {approval.tool_name} for run {str(approval.run_id)[:8]} "
-        f"({context['run'].agent_name})"
+        f"{prefix} needed: {context['summary']} (run {str(approval.run_id)[:8]}, "
+        f"{context['run'].agent_name})"
     )
-    results = []
-    connection = get_connection()
-    for pk, token in outgoing:
-        user = users[pk]
-        message = _message(
-            subject=subject,
-            template="request",
-            context={**context, "approver": user, "link": link_url(token), "kind": kind},
-            to=user.email,
-            connection=connection,
-        )
-        results.append((user, _deliver(message)))
-    _record(approval, kind, results)
+    link_text = link_url(outbox.link_token(row.payload["seed"]))
+    return _message(
+        subject=subject,
+        template="request",
+        context={**context, "approver": user, "link": link_text, "kind": kind},
+        to=row.to_address,
+    )
 
 
-def _send_principal_notice(approval_id: Any, what: str) -> None:
-    approval = Approval.objects.get(id=approval_id)
+def render_notice(row: Any) -> EmailMultiAlternatives | None:
+    approval = Approval.objects.filter(id=row.payload["approval"]).first()
+    if approval is None:
+        return None
     context = _context(approval)
     principal = context["run"].principal
-    if principal is None or not principal.email or not principal.is_active:
-        return
+    what = row.payload["what"]
     subject = (
-        f"Approval {what}: {approval.tool_name} for run {str(approval.run_id)[:8]} "
-        f"({context['run'].agent_name})"
+        f"Approval {what}: {context['summary']} (run {str(approval.run_id)[:8]}, "
+        f"{context['run'].agent_name})"
     )
-    message = _message(
+    return _message(
         subject=subject,
         template="notice",
         context={**context, "what": what, "principal": principal},
-        to=principal.email,
-        connection=get_connection(),
+        to=row.to_address,
     )
-    _record(approval, f"notice_{what}", [(principal, _deliver(message))])
 
 
-def _deliver(message: EmailMultiAlternatives) -> str:
-    # Mail is best effort: a failure is recorded on the run (the approval itself is
-    # unaffected and stays decidable on the approvals page; the reminder sends new links).
-    try:
-        message.send()
-    except Exception as exc:  # smtplib, socket and backend errors alike
-        log.warning("approval email to %s failed: %s", message.to, exc)
-        return f"{type(exc).__name__}: {exc}"
-    return ""
+def recorded(row: Any, error: str) -> None:
+    """Each attempt on the run's timeline (a failed one is retried; the approval itself is
+    unaffected and stays decidable on the approvals page)."""
+    if row.kind == NOTICE_KIND:
+        kind = f"notice_{row.payload.get('what')}"
+    else:
+        kind = row.payload.get("kind", ApprovalLink.Kind.REQUEST)
+    outbox.attempt_on_timeline(
+        row, error, event_prefix="approval", approval=row.payload["approval"], kind=kind
+    )
 
 
-def _record(approval: Approval, kind: str, results: list[tuple[Any, str]]) -> None:
-    with checkpoint(approval.run_id, actor=EMAIL_ACTOR, channel=EMAIL_CHANNEL) as cp:
-        for user, error in results:
-            if error:
-                cp.event(
-                    "approval.email_failed",
-                    approval=approval.id,
-                    kind=kind,
-                    to=user.get_username(),
-                    error=error,
-                )
-            else:
-                cp.event(
-                    "approval.email_sent", approval=approval.id, kind=kind, to=user.get_username()
-                )
+def install() -> None:
+    """Called from ``ApprovalsConfig.ready``."""
+    outbox.register_kind(REQUEST_KIND, render=render_request, recorded=recorded)
+    outbox.register_kind(NOTICE_KIND, render=render_notice, recorded=recorded)

@@ -197,7 +197,9 @@ def approval_decide(
             except InvalidState as exc:
                 raise AlreadyDecided(str(exc)) from None
             if not approved:
-                notify.principal_notice_on_commit(approval_id=approval.id, what="rejected")
+                notify.principal_notice_enqueue(
+                    approval=approval, principal=cp.run.principal, what="rejected"
+                )
     return approval
 
 
@@ -361,7 +363,9 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
         approval.reason = f"expired at {approval.expires_at.isoformat()}"
         approval.save(update_fields=["status", "decided_at", "reason"])
         cp.event("approval.expired", approval=approval.id, on_expiry=approval.on_expiry)
-        notify.principal_notice_on_commit(approval_id=approval.id, what="expired")
+        notify.principal_notice_enqueue(
+            approval=approval, principal=cp.run.principal, what="expired"
+        )
         call = ToolCall.objects.select_related("step").get(id=approval.tool_call_id)
         if approval.on_expiry == "terminate":
             apply_terminate(

@@ -38,7 +38,7 @@ from approvals.services import (
 from runs import jsonlimits
 from runs.actors import Actor, PermissionDenied
 from runs.forms import UnclippedCharField
-from runs.masking import masker_for
+from runs.masking import masker_for, maskers_for
 from runs.services import InvalidInput
 
 # what a decision's comment may hold (ApprovalDecision.comment is free text)
@@ -59,6 +59,11 @@ def approval_inbox(request: HtmxHttpRequest) -> HttpResponse:
     tool = request.GET.get("tool", "")
     inbox = selectors.approval_inbox(user=request.user, agent=agent, tool=tool)
     now = timezone.now()
+    # each row as this viewer may see it: sensitive tool output copied into the arguments
+    # masked (runs.masking; one query for every run on the page)
+    masks = maskers_for([a.run for a in inbox.pending], user=request.user)
+    for approval in inbox.pending:
+        approval.shown_arguments = masks[approval.run_id](approval.arguments_masked)
     context = {
         "inbox": inbox,
         "pending": [(a, max(0, int((a.expires_at - now).total_seconds()))) for a in inbox.pending],
@@ -130,6 +135,7 @@ def _detail(
         "run": approval.run,
         "call": ctx.call,
         "mask": mask,
+        "shown_arguments": mask(approval.arguments_masked),
         "arguments_json": _arguments_json(mask(approval.arguments_masked)),
         "may_decide": selectors.user_may_decide(user=request.user, approval=approval),
         "seconds_left": max(0, int((approval.expires_at - timezone.now()).total_seconds())),

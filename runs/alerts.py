@@ -7,11 +7,14 @@ may see the same occurrence thousands of times; only the process whose INSERT of
 succeeds notifies, so operators are emailed once per cause — never once per sweep, per
 worker or per page refresh.
 
-Notification happens after the row is committed, outside any transaction (CONVENTIONS §4):
-a slow mail server never holds a lock. ``notified_at`` records the send. A failed send leaves
-``notified_at`` empty and a later pass retries it, claimed by a conditional UPDATE of
-``notified_at`` so two sweepers do not both retry (a process that dies between that claim and
-the send loses that one email: at most once, never a storm).
+Notification goes through the outbox (``runs.outbox``, DESIGN §9): one email per operator
+is written in the transaction that sets ``notified_at`` ("its emails are in the outbox"),
+and sent after that commit, outside any transaction — by this process at once, else by any
+worker's sweeper, retried with backoff while the mail server is down. An alert whose
+creating process died before that transaction (its own commit came first) still has no
+``notified_at`` after ``RETRY_AFTER``: a later pass claims it with a conditional UPDATE of
+``notified_at`` in the same transaction that enqueues its email, so two sweepers enqueue it
+once.
 
 Webhooks: another app may append callables to ``ALERT_LISTENERS``; each is called once per
 alert with the ``Alert`` after the email, and an exception in one is logged and does not stop
@@ -30,14 +33,15 @@ from datetime import timedelta
 
 from django.conf import settings
 from django.contrib.auth import get_user_model
-from django.core.mail import EmailMessage, get_connection
+from django.core.mail import EmailMessage
 from django.db import IntegrityError, transaction
 from django.db.models import BooleanField, Case, Max, OuterRef, Q, Subquery, Value, When
 from django.db.models.functions import Now
 from django.urls import NoReverseMatch, reverse
 
+from runs import outbox
 from runs.masking import maskers_for_ids
-from runs.models import Alert, Run, RunEvent, Worker
+from runs.models import Alert, OutboxMessage, Run, RunEvent, Worker
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +51,12 @@ ALERT_LISTENERS: list[Callable[[Alert], None]] = []
 OPERATOR_GROUP = "operator"
 # at most this many new causes of each kind per pass (the rest are found by the next pass)
 SCAN_LIMIT = 200
-# an unsent alert older than this is retried (the inserting process had a failed send)
+# an alert without notified_at older than this is enqueued by a later pass (the inserting
+# process died between its insert and the enqueue)
 RETRY_AFTER = timedelta(seconds=60)
 # alerts older than this are history: never retried, never resolved again
 HORIZON = timedelta(days=1)
-# seconds to wait on the mail server before giving up (the send is retried later)
-EMAIL_TIMEOUT = 10
+ALERT_KIND = "alert"
 
 _last_check = 0.0
 _last_retry = 0.0
@@ -83,7 +87,7 @@ def alerts_check() -> int:
     now = time.monotonic()
     if not _last_retry or now - _last_retry >= RETRY_AFTER.total_seconds():
         _last_retry = now
-        sent += _notify(_claim_unsent(), claimed=True)
+        sent += _notify(_unnotified())
     _resolve_gone()
     return sent
 
@@ -234,23 +238,17 @@ def _worker_alerts() -> list[Alert]:
     return _create_missing(candidates)
 
 
-def _claim_unsent() -> list[Alert]:
-    """Alerts whose first send failed (older than ``RETRY_AFTER``, so the process that
-    created one is done with it): each is claimed by setting ``notified_at`` conditionally,
-    and ``_notify`` clears it again if this send fails too."""
-    due = list(
+def _unnotified() -> list[Alert]:
+    """Alerts whose emails were never enqueued (older than ``RETRY_AFTER``, so the process
+    that created one is done with it); ``_notify`` claims them."""
+    return list(
         Alert.objects.filter(
             notified_at__isnull=True,
             resolved_at__isnull=True,
             created_at__lt=Now() - RETRY_AFTER,
             created_at__gte=Now() - HORIZON,
-        ).values_list("id", flat=True)[:SCAN_LIMIT]
+        )[:SCAN_LIMIT]
     )
-    claimed = []
-    for alert_id in due:
-        if Alert.objects.filter(id=alert_id, notified_at__isnull=True).update(notified_at=Now()):
-            claimed.append(Alert.objects.get(id=alert_id))
-    return claimed
 
 
 def _resolve_gone() -> None:
@@ -338,39 +336,49 @@ def _message(alerts: list[Alert]) -> tuple[str, str]:
     return f"[agentops] {len(alerts)} alerts: {summary}", body
 
 
-def _notify(alerts: list[Alert], *, claimed: bool = False) -> int:
+def _notify(alerts: list[Alert]) -> int:
     """Email every operator (one message each: addresses are not shared) about these alerts:
-    one email for one alert, one digest for several. Never inside a transaction.
-    ``claimed``: retries whose ``notified_at`` this process set to claim them. Returns how
-    many alerts were sent."""
+    one email for one alert, one digest for several. The emails are enqueued in the
+    transaction that sets ``notified_at`` (a conditional UPDATE: of two passes that found
+    the same unnotified alert, one enqueues it) and sent after it. Returns how many alerts
+    had their emails sent now (the outbox retries the others)."""
     if not alerts:
         return 0
-    recipients = operator_emails()
-    subject, body = _message(alerts)
-    ids = [alert.id for alert in alerts]
-    sent = False
-    try:
-        # the sweeper that called us also recovers runs: a hung mail server must not stall
-        # it, so the connection gets a deadline (Django's default is to wait forever)
-        with get_connection(timeout=EMAIL_TIMEOUT) as connection:
-            messages = [
-                EmailMessage(subject=subject, body=body, to=[address], connection=connection)
-                for address in recipients
-            ]
-            connection.send_messages(messages)
-        sent = True
-    except Exception:
-        # left unsent: a later pass retries them (and the dashboard still shows the causes)
-        log.exception("alerts %s: sending email failed", ", ".join(a.cause for a in alerts))
-    if sent and not claimed:
-        Alert.objects.filter(id__in=ids, notified_at__isnull=True).update(notified_at=Now())
-    elif not sent and claimed:
-        Alert.objects.filter(id__in=ids).update(notified_at=None)
-    if not sent:
+    with transaction.atomic():
+        mine = [
+            alert
+            for alert in alerts
+            if Alert.objects.filter(id=alert.id, notified_at__isnull=True).update(notified_at=Now())
+        ]
+        if not mine:
+            return 0
+        subject, body = _message(mine)
+        ids = outbox.emails_enqueue(
+            outbox.Email(
+                kind=ALERT_KIND,
+                to_address=address,
+                payload={"subject": subject, "body": body, "alerts": [a.id for a in mine]},
+            )
+            for address in operator_emails()
+        )
+    # the sweeper (or check_alerts) is this process: send now, not only on commit
+    # callbacks (a sweep hook may run inside a caller's transaction, tests do)
+    sent = outbox.emails_send(ids)
+    if sent < len(ids):
         return 0
-    for alert in alerts:
-        log.warning("ALERT %s: emailed %d operator(s)", alert.cause, len(recipients))
-    return len(alerts)
+    for alert in mine:
+        log.warning("ALERT %s: emailed %d operator(s)", alert.cause, len(ids))
+    return len(mine)
+
+
+def _render(row: OutboxMessage) -> EmailMessage:
+    # rendered when enqueued (an alert's text is about that moment, not the send's)
+    return EmailMessage(subject=row.payload["subject"], body=row.payload["body"])
+
+
+def install() -> None:
+    """Called from ``RunsConfig.ready``."""
+    outbox.register_kind(ALERT_KIND, render=_render)
 
 
 def _tell_listeners(alert: Alert) -> None:

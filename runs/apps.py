@@ -6,21 +6,27 @@ class RunsConfig(AppConfig):
     verbose_name = "Runs"
 
     def ready(self) -> None:
+        # check --deploy: the base URL of emailed links (runs/checks.py)
+        from runs import checks  # noqa: F401
+
         # sign-ins and failed sign-ins go to the audit log (issue 8)
         from runs.audit import connect_signals
 
         connect_signals()
 
         # operators are emailed once per alert cause (runs.alerts); checked by the sweeper
-        from runs.alerts import alerts_sweep
+        from runs import alerts
         from runs.sweeper import register_sweep_hook
 
-        register_sweep_hook(alerts_sweep)
+        alerts.install()
+        register_sweep_hook(alerts.alerts_sweep)
 
-        # question emails a dead process never sent are sent with fresh links (runs.notify)
-        from runs.notify import question_emails_resend_due
+        # every email and webhook is an outbox row (runs.outbox): sent after the commit that
+        # wrote it by that process, and by every worker's sweeper whatever it did not send
+        from runs import notify, outbox
 
-        register_sweep_hook(question_emails_resend_due)
+        notify.install()
+        register_sweep_hook(outbox.outbox_drain_due)
 
         # remote agents: the registry resolves manifests; expired remote leases are swept.
         # webhooks: deliveries written with their events, sent by the sweeper (issue 6)

@@ -475,11 +475,19 @@ def checkpoint(
         with transaction.atomic(savepoint=False):
             run = locked if locked is not None else _lock_or_raise(run_id, fence)
             cp = Checkpoint(run=run, actor=actor, channel=channel, fence=fence)
+            # registered before the body, read after it: the fault points fire right after
+            # the commit, before whatever the body asked to run after it (an outbox email's
+            # send, runs.outbox): a kill at a boundary is a kill at the commit
+            transaction.on_commit(partial(_crash_points_now, cp))
             yield cp
             _write(cp, renew_lease=renew_lease)
-            _crash_points_on_commit(cp)
     # in-process latency histogram (runs/metrics.py): lock, append, update, commit
     metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
+
+
+def _crash_points_now(cp: Checkpoint) -> None:
+    for name in cp.boundaries:
+        faults.crash_point(name)
 
 
 def _crash_points_on_commit(cp: Checkpoint) -> None:

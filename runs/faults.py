@@ -9,7 +9,8 @@ With ``AGENTOPS_PAUSE_AT=<boundary>[:<n>]`` set, it freezes (SIGSTOP) its whole 
 at that point instead -- a VM pause, a long GC, a laptop lid. Whoever watches it resumes it
 with SIGCONT (``chaos --pauses``), typically after its lease was taken over: what it does when
 it wakes is what the pause tests check. ``before_send`` is the point after the pre-send check
-and before a tool's request leaves.
+and before a tool's request leaves. ``notify_enqueued``, ``notify_claimed`` and
+``notify_sent`` are the outbox's (``runs.outbox``).
 
 Both are inert when unset.
 """
@@ -33,6 +34,12 @@ BOUNDARIES = (
     "receipt_recorded",
     "step_completed",
     "run_finished",
+    # DESIGN §9: after the commit that wrote an outbox row (an email, a webhook delivery);
+    # after an outbox row was claimed, before the pre-send check; after the SMTP/HTTP send,
+    # before the row is marked sent
+    "notify_enqueued",
+    "notify_claimed",
+    "notify_sent",
 )
 
 VARIABLES = ("AGENTOPS_CRASH_AT", "AGENTOPS_PAUSE_AT")

@@ -216,12 +216,42 @@ def collect_workers() -> Iterator[Metric]:
     yield from (heartbeat, last_task, health, workers)
 
 
+def collect_outbox() -> Iterator[Metric]:
+    """Emails and webhook deliveries (runs.outbox): how many in each state, and how many are
+    being retried. ``failed`` ones were given up on after the maximum number of attempts:
+    nobody was told what they said."""
+    from runs.models import OutboxMessage, WebhookDelivery
+
+    messages = GaugeMetricFamily(
+        "agentops_outbox_messages",
+        "Outbox messages (emails, webhook deliveries) by channel and status.",
+        labels=["channel", "status"],
+    )
+    retrying = GaugeMetricFamily(
+        "agentops_outbox_retrying",
+        "Outbox messages still pending after at least one failed attempt.",
+        labels=["channel"],
+    )
+    for channel, model, statuses in (
+        ("email", OutboxMessage, OutboxMessage.Status.values),
+        ("webhook", WebhookDelivery, WebhookDelivery.Status.values),
+    ):
+        counts = dict.fromkeys(statuses, 0)
+        counts.update(model.objects.order_by().values_list("status").annotate(n=Count("id")))
+        for status, n in counts.items():
+            messages.add_metric([channel, status], n)
+        pending_retries = model.objects.filter(status="pending", attempts__gt=0).count()
+        retrying.add_metric([channel], pending_retries)
+    yield from (messages, retrying)
+
+
 class DatabaseCollector:
     """Everything computed from the database at scrape time."""
 
     def collect(self) -> Iterator[Metric]:
         yield from collect_runs()
         yield from collect_workers()
+        yield from collect_outbox()
         for collect in list(_collectors):
             yield from collect()
 

@@ -567,6 +567,9 @@ class WebhookDelivery(models.Model):
     last_error = models.TextField(blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     delivered_at = models.DateTimeField(null=True, blank=True)
+    # set by the claim (runs.outbox): only its holder may record a failed attempt, and the
+    # pre-send check refuses a drainer whose claim was taken over
+    claim_token = models.CharField(max_length=64, blank=True)
 
     class Meta:
         ordering = ["-created_at"]
@@ -578,6 +581,57 @@ class WebhookDelivery(models.Model):
 
     def __str__(self) -> str:
         return f"{self.event_type} → {self.token_id} ({self.status})"
+
+
+class OutboxMessage(models.Model):
+    """One email to one address (DESIGN §9 "Messages are part of the record", ``runs.outbox``).
+
+    Written in the transaction whose state change calls for it, so a committed approval
+    request, reminder, question or alert always has its message and a rolled-back one never
+    does. Workers and the sweeper send it outside any transaction: claimed by a conditional
+    UPDATE that sets ``claim_token`` and moves ``next_attempt_at`` out of other drainers'
+    reach, checked again just before the send, marked sent after it. ``message_id`` is the
+    email's Message-ID header, the same on every attempt: a retry after a send that was never
+    marked (a crash, a pause) is recognisable as the same message."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        SENT = "sent"
+        # gave up after OUTBOX_MAX_ATTEMPTS: shown on the dashboard and in /metrics
+        FAILED = "failed"
+        # no longer wanted when its turn came (the approval was decided, the question closed)
+        CANCELLED = "cancelled"
+
+    message_id = models.CharField(max_length=200, unique=True)
+    # what it is about; the renderer registered for it builds the email (runs.outbox)
+    kind = models.CharField(max_length=50)
+    run = models.ForeignKey(Run, null=True, blank=True, on_delete=models.CASCADE, related_name="+")
+    recipient = models.ForeignKey(
+        settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    to_address = models.CharField(max_length=254)
+    # what the renderer needs (ids, the seed of the link's token: never the token itself)
+    payload = models.JSONField(default=dict)
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.PENDING)
+    attempts = models.PositiveIntegerField(default=0)
+    # due when null or past; a claim sets it to the claim's expiry
+    next_attempt_at = models.DateTimeField(null=True, blank=True)
+    claim_token = models.CharField(max_length=64, blank=True)
+    last_error = models.TextField(blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    sent_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at"]
+        indexes = [
+            models.Index(
+                fields=["next_attempt_at"], name="outbox_due_idx", condition=Q(status="pending")
+            ),
+            models.Index(fields=["kind", "status"], name="outbox_kind_status_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} to {self.to_address} ({self.status})"
 
 
 class IdempotentRequest(models.Model):

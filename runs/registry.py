@@ -11,6 +11,7 @@ import enum
 import functools
 import hashlib
 import json
+import logging
 import time
 import types
 from collections.abc import Callable, Mapping, Sequence
@@ -214,6 +215,10 @@ class Tool:
     # one of them is treated as a call of this tool (its approval stays valid), and the
     # engine records ``tool.version_accepted`` when it accepts one (docs/agents.md).
     compatible_with: tuple[str, ...] = ()
+    # One line that tells a person what a call does ("Refund 2,500.00 EUR to order
+    # ord_1004"), from its arguments with the sensitive fields masked (``call_summary``):
+    # the approval email's subject and body, the approval page, the inbox and the timeline
+    summary: Callable[[Mapping[str, Any]], str] | None = None
     declared_version: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -271,6 +276,43 @@ def path_is_valid(path: Any) -> bool:
     )
 
 
+SUMMARY_MAX = 140
+
+
+def call_summary(tool_name: str, arguments_masked: Mapping[str, Any]) -> str:
+    """The one-line description of a call for people: the tool's ``summary`` of its masked
+    arguments, or the tool's name and its arguments. Never longer than ``SUMMARY_MAX``
+    characters, never more than a line."""
+    text = ""
+    # local tools only: a remote agent's manifest declares no summary, and looking it up
+    # would cost a query per row of a list
+    found = registry.local_tool(tool_name)
+    declared = found.summary if found is not None else None
+    if declared is not None and isinstance(arguments_masked, Mapping):
+        try:
+            text = str(declared(arguments_masked))
+        except Exception:
+            # a summary is a courtesy: a bad one (a missing argument, an old call's shape)
+            # falls back to the plain description, it never breaks a page or an email
+            logging.getLogger(__name__).warning(
+                "tool %s: its summary failed", tool_name, exc_info=True
+            )
+    if not text:
+        shown = ", ".join(f"{key}={value}" for key, value in dict(arguments_masked or {}).items())
+        text = f"{tool_name}({shown})"
+    text = " ".join(text.split())
+    return text if len(text) <= SUMMARY_MAX else text[: SUMMARY_MAX - 1] + "…"
+
+
+def money(amount_minor: int, currency: str, *, exponent: int = 2) -> str:
+    """An amount in minor units with its currency, as people read it: 250000, "EUR" →
+    "2,500.00 EUR"."""
+    sign = "-" if amount_minor < 0 else ""
+    units, minor = divmod(abs(int(amount_minor)), 10**exponent)
+    fraction = f".{minor:0{exponent}d}" if exponent else ""
+    return f"{sign}{units:,}{fraction} {currency}"
+
+
 def digest(data: Any) -> str:
     canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(canonical.encode()).hexdigest()
@@ -302,6 +344,8 @@ NOT_IN_FINGERPRINT = frozenset(
         # *arguments* are different: they are masked when written, into what an approver
         # saw and approved, so they are part of the fingerprint.)
         "sensitive_output",
+        # how a call is described to people, like ``description``
+        "summary",
     }
 )
 _FINGERPRINT_LENGTH = 16  # hex characters; ToolCall.tool_version holds up to 64
@@ -773,6 +817,10 @@ class Registry:
         if found is None:
             raise UnknownAgent(f"unknown agent {name!r}")
         return found
+
+    def local_tool(self, name: str) -> Tool | None:
+        """A tool registered in this process (no remote manifest is consulted)."""
+        return self._tools.get(name)
 
     def tool(self, name: str) -> Tool:
         found = self._tools.get(name)

@@ -640,6 +640,35 @@ def run_agent_names() -> list[str]:
     return sorted(names)
 
 
+def undelivered_messages(*, limit: int = 10) -> dict[str, Any]:
+    """Emails and webhook deliveries given up on (runs.outbox), newest first, and how many
+    are being retried after a failed attempt (counted up to ``RETRY_COUNT_CAP`` each): the
+    people they were meant for have not been told. One query per channel."""
+    from runs.models import OutboxMessage, WebhookDelivery
+
+    troubled = Q(status="failed") | Q(status="pending", attempts__gt=0)
+    emails = list(
+        OutboxMessage.objects.filter(troubled)
+        .only(
+            "id", "kind", "to_address", "run_id", "status", "attempts", "last_error", "created_at"
+        )
+        .order_by("-created_at")[:RETRY_COUNT_CAP]
+    )
+    webhooks = list(
+        WebhookDelivery.objects.filter(troubled)
+        .only("id", "event_type", "run_id", "status", "attempts", "last_error", "created_at")
+        .order_by("-created_at")[:RETRY_COUNT_CAP]
+    )
+    return {
+        "emails": [m for m in emails if m.status == "failed"][:limit],
+        "webhooks": [d for d in webhooks if d.status == "failed"][:limit],
+        "retrying": sum(1 for row in emails + webhooks if row.status == "pending"),
+    }
+
+
+RETRY_COUNT_CAP = 100
+
+
 def recent_alerts(*, limit: int = 10) -> list[Alert]:
     """Operator alerts of the last day, newest first: whether each was emailed and whether
     its cause went away (runs.alerts)."""

@@ -25,6 +25,7 @@ from typing import Any
 
 from runs import jsonlimits
 from runs.masking import UNMASKED, Masker
+from runs.registry import call_summary
 
 # Every event type the engine, the services and the approvals app write (DESIGN §2 and the
 # additions since). The admin's filter and the console's event search offer
@@ -253,7 +254,13 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
         case "tool.cancelled":
             return f"{_call(p)} cancelled ({p.get('reason', '')})"
         case "approval.requested":
-            return f"approval #{p.get('approval')} requested for {_call(p)} from {p.get('group')}"
+            what = ""
+            if p.get("tool") and isinstance(p.get("arguments"), Mapping):
+                what = f": {call_summary(p['tool'], p['arguments'])}"
+            return (
+                f"approval #{p.get('approval')} requested for {_call(p)} from {p.get('group')}"
+                + what
+            )
         case "approval.decided":
             return f"approval #{p.get('approval')} {p.get('decision')} by {by}"
         case "approval.consumed":

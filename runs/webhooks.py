@@ -13,9 +13,12 @@ Events (``X``: the run event that causes it):
 A token receives the events of runs whose principal is the token's principal. Each becomes a
 ``WebhookDelivery`` row written *inside the transaction that appends the event*
 (``runs.events.register_event_listener``): an event that commits always gets its delivery,
-a rolled-back one never does. Workers deliver due rows from the sweeper
-(``webhooks_deliver_due``), outside any transaction, retrying failures with exponential
-backoff; every attempt's status code or error is recorded on the row.
+a rolled-back one never does. Deliveries are outbox rows (``runs.outbox``, DESIGN §9):
+every worker's sweeper sends the due ones (``webhooks_deliver_due``) outside any
+transaction — claimed, checked just before the request leaves, marked after — retrying
+failures with exponential backoff; every attempt's status code or error is recorded on the
+row. ``Agentops-Webhook-Id`` (the delivery id) is the same on every attempt: a receiver
+recognises a delivery sent again after a crash between the send and the mark.
 
 Signing: ``Agentops-Webhook-Signature: v1=<hex HMAC-SHA256(secret, "<timestamp>." + body)>``
 with ``Agentops-Webhook-Timestamp`` (Unix seconds), so a receiver can refuse stale or
@@ -40,8 +43,8 @@ from urllib.parse import urlsplit, urlunsplit
 from django.conf import settings
 from django.db.models import Q
 from django.db.models.functions import Now
-from django.utils import timezone
 
+from runs import faults, outbox
 from runs.events import Checkpoint, register_event_listener
 from runs.masking import UNMASKED, maskers_for_ids
 from runs.models import ApiToken, WebhookDelivery
@@ -71,10 +74,6 @@ WEBHOOK_EVENTS = (
     "run.wait_ended",
     "run.finished",
 )
-
-# a claimed delivery is not picked up by another sweeper for this long (longer than a send)
-CLAIM_SECONDS = 60
-SEND_TIMEOUT = 10.0
 
 
 def _conf(name: str, default: Any) -> Any:
@@ -121,6 +120,7 @@ def enqueue_for_checkpoint(cp: Checkpoint) -> None:
             for token_id in token_ids
         ]
     WebhookDelivery.objects.bulk_create(rows)
+    outbox.enqueued_on_commit()
 
 
 def enqueue_for_alert(alert: Any) -> None:
@@ -150,17 +150,17 @@ def enqueue_for_alert(alert: Any) -> None:
             "created_at": alert.created_at.isoformat() if alert.created_at else None,
         },
     }
-    WebhookDelivery.objects.bulk_create(
+    if WebhookDelivery.objects.bulk_create(
         WebhookDelivery(token=token, event_type="alert.raised", payload=body) for token in tokens
-    )
+    ):
+        outbox.enqueued_on_commit()
 
 
 def install() -> None:
     """Called from ``RunsConfig.ready``."""
-    from runs.sweeper import register_sweep_hook
 
+    # sent by the outbox's sweep hook (runs.outbox.outbox_drain_due)
     register_event_listener(enqueue_for_checkpoint, EVENT_TYPES)
-    register_sweep_hook(webhooks_deliver_due)
     try:
         from runs import alerts
     except ImportError:  # pragma: no cover - alerts are optional to this module
@@ -240,18 +240,6 @@ def _backoff(attempts: int) -> float:
     return min(base * (2 ** max(attempts - 1, 0)), 3600.0)
 
 
-def _claim(delivery_id: int, attempts: int) -> bool:
-    """One sweeper sends a delivery: the claim moves its next attempt out of reach."""
-    return (
-        WebhookDelivery.objects.filter(
-            id=delivery_id, status=WebhookDelivery.Status.PENDING, attempts=attempts
-        )
-        .filter(Q(next_attempt_at__isnull=True) | Q(next_attempt_at__lte=Now()))
-        .update(next_attempt_at=Now() + timedelta(seconds=CLAIM_SECONDS))
-        == 1
-    )
-
-
 def _shown(delivery: WebhookDelivery) -> Any:
     """What leaves: the payload with the run's sensitive tool output masked (runs.masking).
     Masked when sent, not when enqueued: the enqueue runs inside the engine's checkpoint,
@@ -262,8 +250,9 @@ def _shown(delivery: WebhookDelivery) -> Any:
     return masks.get(delivery.run_id, UNMASKED)(delivery.payload)
 
 
-def deliver(delivery: WebhookDelivery) -> bool:
-    """Send one delivery (no transaction is open) and record the attempt."""
+def deliver(delivery: WebhookDelivery, claim_token: str) -> bool:
+    """Send one delivery this process claimed (no transaction is open) and record the
+    attempt."""
     token = delivery.token
     error, status_code, address = "", None, ""
     if not token.webhook_url or token.revoked_at is not None:
@@ -289,8 +278,10 @@ def deliver(delivery: WebhookDelivery) -> bool:
         import httpx
 
         url, host_header, extensions = _pinned_request(token.webhook_url, address)
+        if not outbox.still_claimed(WebhookDelivery, delivery.id, claim_token):
+            return False  # taken over or delivered meanwhile (this process was frozen)
         try:
-            with httpx.Client(timeout=SEND_TIMEOUT, follow_redirects=False) as client:
+            with httpx.Client(timeout=outbox.send_timeout(), follow_redirects=False) as client:
                 request = client.build_request(
                     "POST",
                     url,
@@ -306,22 +297,33 @@ def deliver(delivery: WebhookDelivery) -> bool:
             error = f"{type(exc).__name__}: {exc}"[:2000]
     attempts = delivery.attempts + 1
     if not error:
-        WebhookDelivery.objects.filter(id=delivery.id).update(
+        # DESIGN §9 contract point: delivered, not yet marked (a crash here sends it twice,
+        # with the same delivery id)
+        faults.crash_point("notify_sent")
+        # not fenced: a delivery that happened is a fact, whoever holds the claim now
+        WebhookDelivery.objects.filter(
+            id=delivery.id, status=WebhookDelivery.Status.PENDING
+        ).update(
             status=WebhookDelivery.Status.DELIVERED,
             attempts=attempts,
             last_status_code=status_code,
             last_error="",
             delivered_at=Now(),
             next_attempt_at=None,
+            claim_token="",
         )
         return True
     give_up = permanent or attempts >= int(_conf("WEBHOOK_MAX_ATTEMPTS", 8))
-    WebhookDelivery.objects.filter(id=delivery.id).update(
+    # only the claim's holder records a failure (a taken-over claim's attempt is history)
+    WebhookDelivery.objects.filter(
+        id=delivery.id, status=WebhookDelivery.Status.PENDING, claim_token=claim_token
+    ).update(
         status=WebhookDelivery.Status.FAILED if give_up else WebhookDelivery.Status.PENDING,
         attempts=attempts,
         last_status_code=status_code,
         last_error=error,
-        next_attempt_at=None if give_up else timezone.now() + timedelta(seconds=_backoff(attempts)),
+        next_attempt_at=None if give_up else Now() + timedelta(seconds=_backoff(attempts)),
+        claim_token="",
     )
     log.info("webhook delivery %s attempt %s failed: %s", delivery.id, attempts, error)
     return False
@@ -337,6 +339,7 @@ def webhooks_deliver_due(limit: int = 50) -> int:
     )
     delivered = 0
     for delivery in due:
-        if _claim(delivery.id, delivery.attempts):
-            delivered += deliver(delivery)
+        claim_token = outbox.claim(WebhookDelivery, delivery.id, attempts=delivery.attempts)
+        if claim_token:
+            delivered += deliver(delivery, claim_token)
     return delivered

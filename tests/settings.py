@@ -38,4 +38,6 @@ os.environ.setdefault("DEBUG", "1")
 from agentops.settings import *  # noqa: E402,F403
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
-EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
+# worker processes started by a harness with its own SMTP server (chaos, the outbox's
+# crash tests) are told so through EMAIL_BACKEND; the suite itself keeps mail in memory
+EMAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.locmem.EmailBackend")

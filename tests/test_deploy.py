@@ -58,6 +58,26 @@ def test_check_deploy_is_clean_with_production_settings(tmp_path):
     assert "System check identified no issues" in result.stdout
 
 
+def test_check_deploy_requires_the_base_url_of_links_when_email_is_sent(tmp_path):
+    smtp = "django.core.mail.backends.smtp.EmailBackend"
+    result = manage(production_env(tmp_path, EMAIL_BACKEND=smtp), "check", "--deploy")
+
+    assert result.returncode != 0
+    assert "agentops.E001" in result.stderr and "AGENTOPS_BASE_URL" in result.stderr
+
+    http = production_env(
+        tmp_path, EMAIL_BACKEND=smtp, AGENTOPS_BASE_URL="http://agentops.example.com"
+    )
+    result = manage(http, "check", "--deploy", "--fail-level", "WARNING")
+    assert result.returncode != 0 and "agentops.W001" in result.stderr
+
+    https = production_env(
+        tmp_path, EMAIL_BACKEND=smtp, AGENTOPS_BASE_URL="https://agentops.example.com"
+    )
+    result = manage(https, "check", "--deploy", "--fail-level", "WARNING")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_production_is_the_default_and_refuses_to_start_without_a_secret_key(tmp_path):
     env = production_env(tmp_path)
     del env["SECRET_KEY"]

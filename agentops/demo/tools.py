@@ -30,6 +30,7 @@ from runs.registry import (
     ToolContext,
     ToolFailed,
     ToolResult,
+    money,
 )
 
 if TYPE_CHECKING:
@@ -143,6 +144,17 @@ def _large_refund(arguments: Mapping[str, Any]) -> bool:
     return int(arguments.get("amount_cents", 0)) > REFUND_APPROVAL_THRESHOLD_CENTS
 
 
+# the sandbox's orders are in euros
+CURRENCY = "EUR"
+
+
+def _refund_summary(arguments: Mapping[str, Any]) -> str:
+    text = f"Refund {money(arguments['amount_cents'], CURRENCY)} to order {arguments['order_id']}"
+    if arguments.get("customer_email"):
+        text += f" (customer {arguments['customer_email']})"  # masked: "***"
+    return text
+
+
 REFUND_PAYMENT = Tool(
     name="refund_payment",
     effect=Effect.RECONCILABLE,
@@ -161,6 +173,7 @@ REFUND_PAYMENT = Tool(
         "additionalProperties": False,
     },
     sensitive_fields=("customer_email",),
+    summary=_refund_summary,
     approval=ApprovalPolicy(when=_large_refund, group="approver", ttl_seconds=24 * 3600),
     timeout=settings.AGENTOPS["SANDBOX_TIMEOUT"],
     # the sandbox deduplicates refunds by key with --dedupe, refuses late ones with --deadline

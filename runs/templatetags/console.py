@@ -14,6 +14,7 @@ from django.utils.safestring import SafeString
 from django.utils.timesince import timesince, timeuntil
 
 from runs.masking import Masker
+from runs.registry import call_summary
 
 register = template.Library()
 
@@ -52,6 +53,15 @@ def localstamp(value: datetime | None) -> SafeString | str:
     return format_html(
         '<time datetime="{}">{}</time>', value.isoformat(), date_format(local, "Y-m-d H:i:s T")
     )
+
+
+@register.filter(name="call_summary")
+def call_summary_filter(value: Any, shown_arguments: Any = None) -> str:
+    """One line that says what a call (a ``ToolCall`` or an ``Approval``) does, from its
+    masked arguments (``runs.registry.call_summary``) — or from ``shown_arguments``, the
+    arguments as this viewer may see them (sensitive tool output masked: runs.masking)."""
+    arguments = value.arguments_masked if shown_arguments is None else shown_arguments
+    return call_summary(value.tool_name, arguments)
 
 
 @register.filter(name="shortid")

@@ -64,6 +64,7 @@ def dashboard(request: HtmxHttpRequest) -> HttpResponse:
         "health": selectors.worker_health(),
         "events": selectors.recent_events(limit=20),
         "alerts": selectors.recent_alerts(limit=10),
+        "undelivered": selectors.undelivered_messages(limit=10),
     }
     context["needs_count"] = sum(
         len(context[k]) for k in ("needs_attention", "unknown_calls", "expiring")

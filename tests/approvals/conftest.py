@@ -89,6 +89,22 @@ class SmtpInbox:
         return [m for m in self.messages if address in str(m["To"])]
 
 
+class DroppingInbox(SmtpInbox):
+    """Accepts the first ``drops`` messages (keeps them) and then drops the connection
+    before its final reply: the client cannot know the message went through."""
+
+    def __init__(self, drops: int = 1) -> None:
+        super().__init__()
+        self.drops = drops
+
+    async def handle_DATA(self, server, session, envelope):
+        reply = await super().handle_DATA(server, session, envelope)
+        if self.drops > 0:
+            self.drops -= 1
+            server.transport.close()
+        return reply
+
+
 def _free_port() -> int:
     # aiosmtpd's start-up self-check connects to the port it was given: port=0 fails
     with socket.socket() as sock:
@@ -98,9 +114,17 @@ def _free_port() -> int:
 
 @pytest.fixture
 def smtp_server():
+    yield from _smtp(SmtpInbox())
+
+
+@pytest.fixture
+def dropping_smtp_server():
+    yield from _smtp(DroppingInbox())
+
+
+def _smtp(inbox: SmtpInbox):
     from aiosmtpd.controller import Controller
 
-    inbox = SmtpInbox()
     port = _free_port()
     controller = Controller(inbox, hostname="127.0.0.1", port=port)
     controller.start()

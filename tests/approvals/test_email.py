@@ -8,7 +8,8 @@ from django.test import Client
 
 from approvals.models import Approval, ApprovalLink
 from approvals.notify import hash_token
-from runs.models import Run
+from runs import outbox
+from runs.models import OutboxMessage, Run
 from tests.approvals.conftest import CUSTOMER_EMAIL, LINK_PATH, link, requested, start_refund
 from tests.conftest import drive
 from tests.support import event_types, events, refund_posts, refunds
@@ -34,9 +35,15 @@ def test_emailed_link_approves_over_real_smtp_and_the_run_refunds_once(
     approval = Approval.objects.get(run=run)
     assert [rcpts for _, rcpts in smtp_server.envelopes] == [["alice@example.com"]]
     (message,) = smtp_server.messages
-    assert "refund_payment" in message["Subject"]
+    # what is asked, in one line: the amount with its currency, the sensitive email masked
+    assert message["Subject"] == (
+        f"Approval needed: Refund 500.00 EUR to order ord_1004 (customer ***) "
+        f"(run {str(run.id)[:8]}, refund)"
+    )
     text, html = _text_and_html(message)
     for body in (text, html):
+        assert "Refund 500.00 EUR to order ord_1004" in body
+        assert "UTC" in body  # the expiry says its zone
         assert str(run.id) in body
         assert "refund" in body  # the agent
         assert "refund_payment" in body
@@ -97,6 +104,37 @@ def test_emailed_link_approves_over_real_smtp_and_the_run_refunds_once(
     assert b"alice" in again.content and b"approved" in again.content
     assert b"cannot be used again" in again.content
     assert b'name="decision"' not in again.content
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_server_that_drops_the_connection_after_accepting_gets_the_same_message_again(
+    sandbox, system_actor, dropping_smtp_server, alice, bob
+):
+    """The mail server keeps the message and drops the connection before its final reply:
+    the sender cannot tell it arrived, so it sends it again — the same message, recognisable
+    by its Message-ID, with the same working link."""
+    run = start_refund(system_actor, principal=bob)
+    (row,) = OutboxMessage.objects.filter(kind="approval.request")
+    assert (row.status, row.attempts) == ("pending", 1)
+    assert "SMTPServerDisconnected" in row.last_error
+    (failed,) = events(run.id, "approval.email_failed")
+    assert failed.payload["to"] == "alice"
+    assert len(dropping_smtp_server.messages) == 1  # it did arrive
+
+    OutboxMessage.objects.update(next_attempt_at=None)  # the backoff has passed
+    assert outbox.outbox_drain_due() == 1
+
+    first, second = dropping_smtp_server.messages
+    assert first["Message-ID"] == second["Message-ID"] == row.message_id
+    tokens = {LINK_PATH.search(_text_and_html(m)[0]).group(1) for m in (first, second)}
+    assert len(tokens) == 1
+    row.refresh_from_db()
+    assert (row.status, row.attempts) == ("sent", 2)
+    (sent,) = events(run.id, "approval.email_sent")
+    assert sent.payload["attempt"] == 2
+    browser = Client()
+    browser.force_login(alice)
+    assert b'name="decision"' in browser.get(link(tokens.pop())).content
 
 
 @pytest.mark.django_db

@@ -58,6 +58,7 @@ def test_inbox_lists_pending_first_with_a_countdown_and_no_inline_script(
     page = client.get(reverse("approvals:inbox"))
 
     assert page.status_code == 200
+    assert "Refund 500.00 EUR to order ord_1004 (customer ***)" in page.content.decode()
     html = page.content.decode()
     assert (
         html.index(_detail(waiting)) < html.index("Recently settled") < html.index(_detail(settled))
@@ -114,6 +115,8 @@ def test_detail_shows_the_run_context_and_the_decision_form(client, waiting, app
     assert "approval.requested" in html  # its events
     assert "reconcilable" in html
     assert CUSTOMER_EMAIL not in html
+    # what is asked, in one line, at the top
+    assert "Refund 500.00 EUR to order ord_1004 (customer ***)" in html
     assert "csrfmiddlewaretoken" in html
     for action in ("approve", "reject", "edit", "comment"):
         assert f'name="action" value="{action}"' in html

@@ -41,8 +41,11 @@ class Demo:
             "AGENTOPS_VAR_DIR": str(self.var_dir),
             "DJANGO_SETTINGS_MODULE": "tests.settings",
             "PYTHONUNBUFFERED": "1",
+            # as `make run`: emails printed to the worker's log, links to the given port
+            "EMAIL_BACKEND": "django.core.mail.backends.console.EmailBackend",
         }
         env.pop("AGENTOPS_CRASH_AT", None)
+        env.pop("AGENTOPS_BASE_URL", None)
         with open(self.log_path, "wb") as out:
             self.process = subprocess.Popen(
                 [
@@ -157,6 +160,17 @@ def test_demo_runs_succeed_and_one_ctrl_c_stops_everything(demo):
     else:
         raise AssertionError(f"no demo run succeeded:\n{page}\n{demo.output()}")
     assert "refund" in page
+    # the approval email (printed to the worker's log) links to this demo's port, and opens
+    worker_log = demo.var_dir / "log" / "worker.log"
+    link_in_log = re.compile(r"(http://127\.0\.0\.1:(\d+)(/approvals/link/[\w-]+/))")
+    deadline = time.monotonic() + 20  # sent right after the commit that parked the run
+    while not (links := link_in_log.findall(worker_log.read_text())):
+        assert time.monotonic() < deadline, worker_log.read_text()[-2000:]
+        time.sleep(0.2)
+    assert {port for _, port, _ in links} == {str(demo.web_port)}
+    assert f"emailed links open {demo.url}" in demo.output()
+    opened = client.get(links[0][2])
+    assert opened.status_code == 200 and 'name="decision"' in opened.text, opened.text[-500:]
 
     started = time.monotonic()
     demo.process.send_signal(signal.SIGINT)

@@ -10,10 +10,10 @@ from django.contrib.auth.models import Group
 from django.core import mail
 from django.utils import timezone
 
-from runs import alerts, sweeper
+from runs import alerts, outbox, sweeper
 from runs.actors import Actor
 from runs.events import checkpoint
-from runs.models import Alert, Run, Worker
+from runs.models import Alert, OutboxMessage, Run, Worker
 from runs.services import run_create, run_retry_recovery
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("roles")]
@@ -227,7 +227,7 @@ def test_listeners_hear_each_alert_once_and_one_failing_stops_nothing(
     assert len(mail.outbox) == 2
 
 
-def test_a_failed_send_is_retried_later_once(operators, live_worker, system_actor, monkeypatch):
+def test_a_failed_send_is_retried_by_the_outbox(operators, live_worker, system_actor, monkeypatch):
     run = _new_run(system_actor)
     _park(run)
 
@@ -238,20 +238,43 @@ def test_a_failed_send_is_retried_later_once(operators, live_worker, system_acto
         patch.setattr("django.core.mail.backends.locmem.EmailBackend.send_messages", refuse)
         assert alerts.alerts_check() == 0
     alert = Alert.objects.get()
-    assert alert.notified_at is None
+    assert alert.notified_at is not None  # its emails are in the outbox
+    rows = OutboxMessage.objects.filter(kind="alert")
+    assert sorted(r.to_address for r in rows) == ["olga@example.com", "oscar@example.com"]
+    assert all((r.status, r.attempts) == ("pending", 1) for r in rows)
 
-    # not retried at once (the process that created it may still be sending)...
+    # not again at once (the backoff), and the alert is not enqueued twice
     assert alerts.alerts_check() == 0
+    assert outbox.outbox_drain_due() == 0
     assert mail.outbox == []
-    # ...but once RETRY_AFTER has passed
+    # once the backoff has passed, the sweeper's drain sends them, once
+    rows.update(next_attempt_at=timezone.now() - timedelta(seconds=1))
+    assert outbox.outbox_drain_due() == 2
+    assert _recipients() == ["olga@example.com", "oscar@example.com"]
+    assert outbox.outbox_drain_due() == 0
+    assert len(mail.outbox) == 2
+
+
+def test_an_alert_whose_creator_died_before_enqueueing_is_enqueued_later(
+    operators, live_worker, system_actor, monkeypatch
+):
+    run = _new_run(system_actor)
+    _park(run)
+    with monkeypatch.context() as patch:
+        # the process died between the alert's insert and the enqueue
+        patch.setattr(alerts, "_notify", lambda new: 0)
+        alerts.alerts_check()
+    alert = Alert.objects.get()
+    assert alert.notified_at is None and mail.outbox == []
+
+    assert alerts.alerts_check() == 0  # too soon: its creator may be enqueueing it
     Alert.objects.filter(id=alert.id).update(created_at=timezone.now() - timedelta(minutes=5))
     monkeypatch.setattr(alerts, "_last_retry", 0.0)
     assert alerts.alerts_check() == 1
-    assert len(mail.outbox) == 2
+    assert _recipients() == ["olga@example.com", "oscar@example.com"]
     monkeypatch.setattr(alerts, "_last_retry", 0.0)
     alerts.alerts_check()
     assert len(mail.outbox) == 2
-    assert Alert.objects.get().notified_at is not None
 
 
 def test_the_sweeper_runs_the_alert_check(operators, live_worker, system_actor, settings):

@@ -278,11 +278,12 @@ def test_query_count_is_constant(client, operator, system_actor, django_assert_n
     client.force_login(operator)
 
     # session, user, permissions (user + group), counts, parked runs, unknown calls,
-    # expiring approvals, workers, recent events, recent alerts, and the parked runs'
-    # receipts of tools that declare a sensitive output (runs.masking)
-    with django_assert_num_queries(12):
+    # expiring approvals, workers, recent events, recent alerts, undelivered emails and
+    # webhook deliveries, and the parked runs' receipts of tools that declare a sensitive
+    # output (runs.masking)
+    with django_assert_num_queries(14):
         page = client.get(DASHBOARD)
-    with django_assert_num_queries(12):
+    with django_assert_num_queries(14):
         partial = client.get(DASHBOARD, headers={"HX-Request": "true"})
     assert page.status_code == partial.status_code == 200
     assert len(page.context["needs_attention"]) == scale

@@ -38,7 +38,13 @@ CASES = {
     "receipt_recorded": ("receipt_recorded:2", SMALL),
     "step_completed": ("step_completed:2", SMALL),
     "run_finished": ("run_finished", SMALL),
+    # the outbox's points (runs.outbox): the approval email's commit, claim and send
+    "notify_enqueued": ("notify_enqueued", LARGE),
+    "notify_claimed": ("notify_claimed", LARGE),
+    "notify_sent": ("notify_sent", LARGE),
 }
+# the email must still be wanted when the worker reaches these: nobody decides before
+NOTIFY = {"notify_enqueued", "notify_claimed", "notify_sent"}
 # the crashed worker still held the run's lease: the next claim must say it recovered it
 HELD_AT_CRASH = {
     "claimed",
@@ -72,10 +78,14 @@ def test_a_crash_at_every_boundary_ends_with_one_refund_and_the_run_succeeding(
     boundary, worker_procs, sandbox, system_actor, approver
 ):
     crash_at, input = CASES[boundary]
+    if boundary in NOTIFY:
+        approver.email = "alice@example.com"  # an approver with an address is emailed
+        approver.save(update_fields=["email"])
     run = run_create(agent_name="refund", input=input, actor=system_actor)
 
     crashing = worker_procs.start("crash-1", worker_env(sandbox, AGENTOPS_CRASH_AT=crash_at))
-    returncode = crashing.wait_exit(30, during=lambda: _approve_pending(run.id, approver))
+    approving = None if boundary in NOTIFY else (lambda: _approve_pending(run.id, approver))
+    returncode = crashing.wait_exit(30, during=approving)
 
     assert returncode == -9, crashing.output()  # SIGKILL, by its own hand
     assert f"killing process group at {boundary}" in crashing.output()
@@ -133,9 +143,15 @@ def test_a_short_chaos_run_kills_at_every_boundary_pauses_in_every_mode_and_brea
     )
     assert report["lost_runs"] == 0
     assert report["double_consumed_approvals"] == 0
-    # the kill round's six, and one per pause round; the person round's paused refund
-    # waits for a person after its absent lookup instead of being sent again
-    assert report["runs"] == 6 + 4
+    # every approval's email reached the approver, whose link decided it (DESIGN §9)
+    assert report["lost_notifications"] == 0
+    assert report["duplicate_notifications"] <= report["duplicate_notifications_allowed"]
+    assert report["max_notification_seconds"] < 30
+    assert report["scanner_decisions"] == 0  # a scanner opening every link decided nothing
+    # the kill round's six and at least one per notify point, and one per pause round; the
+    # person round's paused refund waits for a person after its absent lookup instead of
+    # being sent again
+    assert report["runs"] >= 6 + 3 + 4
     assert report["parked_for_person"] == 1
     assert report["succeeded"] == report["runs"] - 1
     assert report["boundaries_killed"] == list(BOUNDARIES)

@@ -585,3 +585,13 @@ def test_an_alert_about_a_run_is_stored_and_emailed_masked(
     assert EMAIL not in alert.detail
     (message,) = [m for m in mail.outbox if "olivia@example.com" in m.to]
     assert EMAIL not in message.body
+
+
+def test_the_approvals_inbox_masks_a_copied_value(crm_people, system_actor, approver, client):
+    run = drive(run_create(agent_name="crm_asker", input={}, actor=system_actor).id)
+    assert run.status == Run.Status.WAITING_APPROVAL
+    client.force_login(approver)
+
+    page = client.get(reverse("approvals:inbox")).content.decode()
+
+    assert f"note for {MASK}" in page and EMAIL not in page

@@ -7,16 +7,15 @@ from __future__ import annotations
 
 import re
 import threading
-from datetime import timedelta
 
 import pytest
 from django.contrib.auth.models import Group
 from django.core import mail
 from django.test import Client, override_settings
 
-from runs import notify, sweeper
+from runs import outbox, sweeper
 from runs.actors import Actor
-from runs.models import Question, QuestionLink, Run
+from runs.models import OutboxMessage, Question, QuestionLink, Run
 from runs.notify import hash_token
 from runs.registry import AskQuestion
 from runs.services import run_create, run_terminate
@@ -95,14 +94,6 @@ def _asked(capture, system_actor, **input) -> tuple[Run, Question]:
     with capture(execute=True):
         run = _onboarding(system_actor, **input)
     return run, Question.objects.get(run=run)
-
-
-def _age_links(question: Question, minutes: int = 10) -> None:
-    """As if the links were made that long ago (the record's clock, not a sleep)."""
-    for row in QuestionLink.objects.filter(question=question):
-        QuestionLink.objects.filter(id=row.id).update(
-            created_at=row.created_at - timedelta(minutes=minutes)
-        )
 
 
 def _csrf_client(token: str) -> tuple[Client, str]:
@@ -402,7 +393,7 @@ def test_a_made_up_or_truncated_token_is_not_a_link(
 
 
 @pytest.mark.django_db
-def test_a_failing_mail_server_is_recorded_and_the_question_stays_answerable(
+def test_a_failing_mail_server_is_recorded_retried_and_the_question_stays_answerable(
     django_capture_on_commit_callbacks, system_actor, olivia, settings
 ):
     settings.EMAIL_BACKEND = "django.core.mail.backends.smtp.EmailBackend"
@@ -413,38 +404,36 @@ def test_a_failing_mail_server_is_recorded_and_the_question_stays_answerable(
     assert run.status == Run.Status.WAITING_EVENT
     (failed,) = events(run.id, "question.email_failed")
     assert failed.payload["to"] == "olivia" and failed.payload["error"]
-    # a refused email is not an orphaned one: the sweeper does not send it again and again
-    _age_links(question)
-    assert notify.question_emails_resend_due() == 0
+    (row,) = OutboxMessage.objects.filter(kind="question")
+    assert (row.status, row.attempts) == ("pending", 1) and row.next_attempt_at is not None
+    # not due again at once: the backoff
+    assert outbox.outbox_drain_due() == 0
     question_answer(question_id=question.id, answer="pro", actor=Actor.for_user(olivia, "web"))
     assert drive(run.id).state["plan"] == "pro"
+    # its turn comes after the question was answered: nothing left to ask
+    OutboxMessage.objects.update(next_attempt_at=None)
+    assert outbox.outbox_drain_due() == 0
+    assert OutboxMessage.objects.get().status == "cancelled"
 
 
 @pytest.mark.django_db
-def test_emails_a_killed_process_never_sent_go_out_with_fresh_links(
+def test_emails_a_killed_process_never_sent_are_sent_by_the_sweeper(
     django_capture_on_commit_callbacks, system_actor, olivia, oscar
 ):
     # the asking commit happened, its after-commit sending never ran (the process died)
     run = _onboarding(system_actor)
     question = Question.objects.get(run=run)
-    orphans = list(QuestionLink.objects.filter(question=question))
-    assert len(orphans) == 2 and all(row.mailed_at is None for row in orphans)
+    links = list(QuestionLink.objects.filter(question=question))
+    assert len(links) == 2 and all(row.mailed_at is None for row in links)
     assert mail.outbox == []
-    assert notify.question_emails_resend_due() == 0  # too soon: the sending may be under way
 
-    _age_links(question)
-    with django_capture_on_commit_callbacks(execute=True):
-        sweeper.sweep()  # the hook is registered with the sweeper
+    sweeper.sweep()  # the outbox's hook is registered with the sweeper
 
-    # (the sweep also alerts the operators that no worker is alive: not a question email)
     asked = [m for m in mail.outbox if m.subject.startswith("Question from run")]
     assert sorted(m.to[0] for m in asked) == ["olivia@example.com", "oscar@example.com"]
-    assert not QuestionLink.objects.filter(id__in=[row.id for row in orphans]).exists()
-    fresh = QuestionLink.objects.filter(question=question)
-    assert fresh.count() == 2 and all(row.mailed_at is not None for row in fresh)
+    assert all(row.mailed_at is not None for row in QuestionLink.objects.filter(question=question))
     sent = events(run.id, "question.email_sent")
     assert sorted(e.payload["to"] for e in sent) == ["olivia", "oscar"]
-    assert all(e.payload["resent"] is True for e in sent)
     browser, csrf = _csrf_client(token_for("olivia@example.com"))
     answered = browser.post(
         link(token_for("olivia@example.com")), {"answer": "pro", "csrfmiddlewaretoken": csrf}
@@ -453,25 +442,20 @@ def test_emails_a_killed_process_never_sent_go_out_with_fresh_links(
     question.refresh_from_db()
     assert (question.answer, question.channel) == ("pro", "email")
 
-    _age_links(question)
-    with django_capture_on_commit_callbacks(execute=True):
-        assert notify.question_emails_resend_due() == 0  # mailed once, not again
+    sweeper.sweep()  # sent once, not again
     assert len([m for m in mail.outbox if m.subject.startswith("Question from run")]) == 2
 
 
 @pytest.mark.django_db
-def test_no_email_is_sent_again_for_a_question_that_is_no_longer_open(
-    django_capture_on_commit_callbacks, system_actor, olivia
-):
+def test_no_email_is_sent_for_a_question_that_is_no_longer_open(system_actor, olivia):
     run = _onboarding(system_actor)  # its emails never went out
     question = Question.objects.get(run=run)
     question_answer(question_id=question.id, answer="pro", actor=Actor.for_user(olivia, "web"))
-    _age_links(question)
 
-    with django_capture_on_commit_callbacks(execute=True):
-        assert notify.question_emails_resend_due() == 0
+    assert outbox.outbox_drain_due() == 0
 
     assert mail.outbox == []
+    assert set(OutboxMessage.objects.values_list("status", flat=True)) == {"cancelled"}
 
 
 @pytest.mark.django_db(transaction=True)

@@ -11,7 +11,16 @@ import sys
 import textwrap
 from pathlib import Path
 
-from runs.registry import ApprovalPolicy, Effect, OnExpiry, Tool, ToolResult
+from runs.registry import (
+    ApprovalPolicy,
+    Effect,
+    OnExpiry,
+    Tool,
+    ToolResult,
+    call_summary,
+    money,
+    registry,
+)
 from tests.support import CountingTool
 
 SCHEMA = {"type": "object", "properties": {"amount": {"type": "integer"}}}
@@ -208,3 +217,40 @@ def test_a_fingerprint_is_the_same_in_every_process(tmp_path):
 
     here = {t.name: t.version for t in (*ALL_TOOLS, *TOOLS, *fingerprinted.TOOLS)}
     assert versions("1") == versions("2") == here
+
+
+# --- a call summarised for people ------------------------------------------------------------
+
+
+def test_money_is_shown_with_its_currency():
+    assert money(250_000, "EUR") == "2,500.00 EUR"
+    assert money(5, "USD") == "0.05 USD"
+    assert money(-1999, "EUR") == "-19.99 EUR"
+    assert money(1500, "JPY", exponent=0) == "1,500 JPY"
+
+
+def test_a_summary_is_the_tools_own_line_from_masked_arguments():
+    # the demo's refund tool declares one; the customer's address arrives masked
+    masked = registry.tool("refund_payment").mask(
+        {"order_id": "ord_1004", "amount_cents": 250_000, "customer_email": "dave@example.com"}
+    )
+    assert call_summary("refund_payment", masked) == (
+        "Refund 2,500.00 EUR to order ord_1004 (customer ***)"
+    )
+
+
+def test_a_summary_falls_back_to_the_call_and_never_breaks_a_page():
+    # unknown tool, or a summary that fails on an old call's arguments
+    assert call_summary("gone_tool", {"a": 1}) == "gone_tool(a=1)"
+    assert call_summary("refund_payment", {"order_id": "ord_1"}) == (
+        "refund_payment(order_id=ord_1)"
+    )
+    long = call_summary("gone_tool", {"text": "x " * 200})
+    assert len(long) == 140 and long.endswith("…") and "\n" not in long
+
+
+def test_a_summary_is_not_part_of_the_fingerprint():
+    def call(arguments, ctx):
+        return ToolResult(result={})
+
+    assert _tool(call).version == _tool(call, summary=lambda a: "a charge").version

@@ -40,3 +40,22 @@ from runs.timeline import describe
 )
 def test_email_events_read_as_sentences(event_type, payload, text):
     assert describe(event_type, payload, "system") == text
+
+
+def test_an_approval_request_says_what_the_call_does():
+    from runs.timeline import describe
+
+    line = describe(
+        "approval.requested",
+        {
+            "approval": 7,
+            "seq": 2,
+            "tool": "refund_payment",
+            "group": "approver",
+            "arguments": {"order_id": "ord_1004", "amount_cents": 250_000},
+        },
+    )
+    assert line == (
+        "approval #7 requested for call #2 (refund_payment) from approver: "
+        "Refund 2,500.00 EUR to order ord_1004"
+    )

@@ -25,6 +25,18 @@ another worker takes the run over and, where it must, sends again; then the froz
 is resumed (SIGCONT) and runs on: each write of it the fence refuses is a
 ``zombie_writes_refused`` (its "stopping this incarnation" log lines, i.e. ``run.lease_lost``).
 ``late_sends`` counts the requests the sandbox received after their send deadline.
+
+Notifications (DESIGN §9): the workers send email to a real SMTP server the harness starts
+(aiosmtpd), and the approver decides each approval only through the link in the email it
+received — opened (GET) and submitted (POST) like a person signed in would. The kills and
+pauses include the outbox's points (``notify_enqueued``, ``notify_claimed``,
+``notify_sent``; each on a fresh run that needs an approval). ``lost_notifications``: the
+approvals whose approver received no email with a working link within
+``NOTIFY_GRACE_SECONDS`` of the approval appearing and of the latest worker start (then
+decided directly, so the run can end) or never;
+``duplicate_notifications``: copies of a Message-ID received more than once, allowed only
+after a kill or a pause between a send and its mark: at most one per kill or pause
+(``duplicate_notifications_allowed``).
 """
 
 from __future__ import annotations
@@ -74,14 +86,19 @@ WORKER_DEFAULTS = {
     # short send window and tool timeout: a pause must outlast TTL + the landing window
     "AGENTOPS_SEND_WINDOW": "1",
     "AGENTOPS_SANDBOX_TIMEOUT": "2",
+    # the outbox: a claim a pause outlasts, and quick retries
+    "AGENTOPS_OUTBOX_CLAIM_SECONDS": "5",
+    "AGENTOPS_OUTBOX_SEND_TIMEOUT": "1",
+    "AGENTOPS_OUTBOX_BACKOFF": "0.5",
     "LOG_LEVEL": "WARNING",
 }
 
-# The order of the boundary kills. After approval_requested and run_finished (and a decided
-# that shares their commit) the dying run holds no lease, so those kills are proven through
-# ANOTHER run the worker held: such a crash worker runs several task processes and goes
-# while many runs are in flight. The others run one task process, so each kill uses up as
-# little of the runs' remaining work as possible, and follow a run's life.
+# The order of the boundary kills (the outbox's last). After approval_requested and
+# run_finished (and a decided that shares their commit) the dying run holds no lease, so
+# those kills are proven through ANOTHER run the worker held: such a crash worker runs
+# several task processes and goes while many runs are in flight. The others run one task
+# process, so each kill uses up as little of the runs' remaining work as possible, and
+# follow a run's life.
 KILL_ORDER = (
     "approval_requested",
     "claimed",
@@ -92,8 +109,17 @@ KILL_ORDER = (
     "receipt_recorded",
     "step_completed",
     "run_finished",
+    # last: each brings a fresh run that needs an approval, and needs no other run in flight
+    "notify_enqueued",
+    "notify_claimed",
+    "notify_sent",
 )
 NEEDS_COMPANY = ("approval_requested", "decided", "run_finished")
+# the outbox's points: proven by the kill itself (the worker said it died there) and by the
+# approver then receiving the email; each is tried on a fresh run that needs an approval
+NOTIFY_BOUNDARIES = ("notify_enqueued", "notify_claimed", "notify_sent")
+# an approver who has no email this long after the approval appeared counts it as lost
+NOTIFY_GRACE_SECONDS = 30.0
 assert sorted(KILL_ORDER) == sorted(BOUNDARIES)
 
 # --pauses: each round's first pauses, then (alternating with random ones) the others in
@@ -101,12 +127,16 @@ assert sorted(KILL_ORDER) == sorted(BOUNDARIES)
 PAUSE_FIRST = ("before_send", "dispatching")
 PAUSE_CYCLE = (
     "tool_call",
+    # a drainer frozen after claiming an email: the pre-send check must stop it
+    "notify_claimed",
     "claimed",
     "decided",
     "receipt_recorded",
     "step_completed",
     "approval_requested",
     "run_finished",
+    "notify_enqueued",
+    "notify_sent",
 )
 assert sorted(PAUSE_FIRST + PAUSE_CYCLE) == sorted(BOUNDARIES)
 # boundary -> (AGENTOPS_PAUSE_AT, a large refund?) for a fresh run that the pausing worker
@@ -122,6 +152,9 @@ PAUSE_SPECS = {
     "receipt_recorded": ("receipt_recorded:2", False),
     "step_completed": ("step_completed:2", False),
     "run_finished": ("run_finished", False),
+    "notify_enqueued": ("notify_enqueued", True),
+    "notify_claimed": ("notify_claimed", True),
+    "notify_sent": ("notify_sent", True),
 }
 assert sorted(PAUSE_SPECS) == sorted(BOUNDARIES)
 # what the sandbox honours in each pause round: its switches, and the workers' declaration
@@ -138,6 +171,7 @@ LEASE_LOST_LINE = "stopping this incarnation"
 RUN_ON_SECONDS = 4.0
 
 APPROVER_USERNAME = "chaos-approver"
+APPROVER_EMAIL = "chaos-approver@chaos.invalid"
 WORKER_APP = "agentops-chaos-worker"
 # --db-faults: a round of pg_terminate_backend every this many seconds (uniform), and for
 # this long into the drain, so runs still finish once the faults stop
@@ -190,6 +224,10 @@ class Kill:
 
     @property
     def proven(self) -> bool:
+        if self.boundary in NOTIFY_BOUNDARIES:
+            # the run it was emailing about holds no lease: the email is the proof
+            # (lost_notifications)
+            return self.sigkilled
         return self.sigkilled and bool(self.recovered_after)
 
 
@@ -527,6 +565,16 @@ class Harness:
         self.remaining_cents: dict[str, int] = {}
         self.plans: list[dict[str, Any]] = []
         self.held_back = 0
+        # notifications: the SMTP sink, when each approval was first seen pending, which
+        # ones the approver had to decide without an email, links that did not work
+        self.sink: Any = None
+        self.approval_due: dict[str, float] = {}
+        self.unnotified: set[str] = set()
+        self.broken_links: list[str] = []
+        self.scanner_decisions: list[str] = []
+        # when a worker was last started (monotonic, wall): "alive again" for the grace
+        self.last_start = 0.0
+        self.starts: list[datetime] = []
 
     # --- setup ------------------------------------------------------------------------------
 
@@ -541,6 +589,7 @@ class Harness:
             f"{connection.vendor}; {opts.workers} workers; logs in {self.tmp}"
         )
         self.approver = self._approver()
+        self._start_sink()
         try:
             if opts.random_kills or opts.boundaries or not opts.pauses:
                 self._begin_round(KILL_ROUND)
@@ -596,6 +645,20 @@ class Harness:
         response.raise_for_status()
         return response.json()
 
+    def _start_sink(self) -> None:
+        from agentops.demo.smtpsink import SmtpSink
+
+        try:
+            import aiosmtpd  # noqa: F401 -- a development dependency
+        except ImportError:
+            self.notes.append(
+                "aiosmtpd is not installed: emails not checked (pip install -e .[dev])"
+            )
+            return
+        self.sink = SmtpSink()
+        port = self.sink.start()
+        self.out(f"SMTP sink at 127.0.0.1:{port}; the approver decides through emailed links")
+
     def _approver(self):
         from django.contrib.auth import get_user_model
         from django.contrib.auth.models import Group, Permission
@@ -610,8 +673,12 @@ class Harness:
                     Permission.objects.get(content_type__app_label=app_label, codename=codename)
                 )
             user, created = get_user_model().objects.get_or_create(
-                username=APPROVER_USERNAME, defaults={"is_active": True}
+                username=APPROVER_USERNAME,
+                defaults={"is_active": True, "email": APPROVER_EMAIL},
             )
+            if user.email != APPROVER_EMAIL:
+                user.email = APPROVER_EMAIL
+                user.save(update_fields=["email"])
             if created:
                 user.set_unusable_password()
                 user.save(update_fields=["password"])
@@ -623,6 +690,8 @@ class Harness:
         is held back and started during the random kills, so those land on work in flight."""
         opts = self.opts
         self.plans = plan_refunds(opts.runs, self.rng)
+        for plan in self.plans:  # what the extra runs (notify kills) may still refund
+            self.remaining_cents[plan["order_id"]] -= plan["amount_cents"]
         held_back = 0
         if opts.random_kills:
             held_back = opts.runs // 2
@@ -690,6 +759,14 @@ class Harness:
         env["AGENTOPS_SANDBOX_RESEND"] = switches["resend"]
         env.pop("AGENTOPS_CRASH_AT", None)
         env.pop("AGENTOPS_PAUSE_AT", None)
+        if self.sink is not None:
+            env.update(
+                {
+                    "EMAIL_BACKEND": "django.core.mail.backends.smtp.EmailBackend",
+                    "EMAIL_HOST": "127.0.0.1",
+                    "EMAIL_PORT": str(self.sink.port),
+                }
+            )
         if crash_at:
             env["AGENTOPS_CRASH_AT"] = crash_at
             env["AGENTOPS_Q_WORKERS"] = "4" if crash_at in NEEDS_COMPANY else "1"
@@ -747,6 +824,8 @@ class Harness:
                 start_new_session=True,  # its own process group: we kill the whole group
             )
         worker = WorkerProcess(slot, name, crash_at, process, log_path)
+        self.last_start = time.monotonic()
+        self.starts.append(datetime.now(UTC))
         if name == f"{self.tag}-w{slot}":
             self.workers[slot] = worker
         else:
@@ -872,28 +951,85 @@ class Harness:
 
     def _approve_due(self) -> None:
         """The approver: decides each pending approval after a person's moment of thought,
-        through the same service the pages and email links use."""
+        through the link in the email it received (or, without an SMTP sink, through the
+        service the pages and links use). An approval without an email
+        ``NOTIFY_GRACE_SECONDS`` after it appeared is a lost notification: decided through
+        the service then, so that its run can end."""
         from approvals.models import Approval
-        from approvals.services import AlreadyDecided, ApprovalExpired, approval_decide
-        from runs.actors import Actor
 
         now = time.monotonic()
         pending = Approval.objects.filter(
             run_id__in=self.run_ids, status=Approval.Status.PENDING
         ).values_list("id", flat=True)
         for approval_id in pending:
-            first_seen = self.approval_seen.setdefault(
-                approval_id, now + self.rng.uniform(0.05, 0.5)
-            )
-            if now < first_seen:
+            key = str(approval_id)
+            first_seen = self.approval_seen.setdefault(approval_id, now)
+            if self.sink is None:
+                if now >= first_seen + self._thought(key):
+                    self._decide_directly(approval_id)
                 continue
-            with suppress(AlreadyDecided, ApprovalExpired):
-                approval_decide(
-                    approval_id=approval_id,
-                    decision="approve",
-                    actor=Actor.for_user(self.approver, "cli"),
-                    comment="approved by the chaos harness",
-                )
+            emails = self.sink.about_approval(approval_id, APPROVER_EMAIL)
+            if emails:
+                if now >= emails[0].at + self._thought(key):
+                    self._decide_by_link(approval_id, emails[-1].approval_link_path)
+            elif now - max(first_seen, self.last_start) > NOTIFY_GRACE_SECONDS:
+                # no email within the grace of the approval appearing and of the latest
+                # worker start (a worker killed at a notify point had just been started)
+                self.unnotified.add(key)
+                self.out(f"approval {key}: no email after {NOTIFY_GRACE_SECONDS:.0f}s")
+                self._decide_directly(approval_id)
+
+    def _thought(self, key: str) -> float:
+        return self.approval_due.setdefault(key, self.rng.uniform(0.05, 0.5))
+
+    def _decide_directly(self, approval_id: Any) -> None:
+        from approvals.services import AlreadyDecided, ApprovalExpired, approval_decide
+        from runs.actors import Actor
+
+        with suppress(AlreadyDecided, ApprovalExpired):
+            approval_decide(
+                approval_id=approval_id,
+                decision="approve",
+                actor=Actor.for_user(self.approver, "cli"),
+                comment="approved by the chaos harness",
+            )
+
+    def _decide_by_link(self, approval_id: Any, path: str) -> None:
+        """What a person does with the email: opens the link signed in, reads the page,
+        ticks the box and approves. Before them, a mail scanner opens the link and submits
+        its form as it is (signed out, and in the approver's own browser): it must decide
+        nothing (``scanner_decisions``)."""
+        from urllib.parse import urlsplit
+
+        from django.test import Client
+
+        from approvals.models import Approval
+
+        base = urlsplit(settings.AGENTOPS["BASE_URL"])
+        host, secure = base.hostname or "localhost", base.scheme == "https"
+        browser = Client(HTTP_HOST=host)
+        browser.force_login(self.approver)
+        scanner = Client(HTTP_HOST=host)
+        scanner.get(path, secure=secure)
+        scanner.post(path, {"decision": "approve"}, secure=secure)
+        browser.post(path, {"decision": "approve"}, secure=secure)  # the box left unticked
+        if not Approval.objects.filter(id=approval_id, status=Approval.Status.PENDING).exists():
+            self.scanner_decisions.append(str(approval_id))
+            self.notes.append(f"approval {approval_id}: decided by a link scanner")
+            return
+        page = browser.get(path, secure=secure)
+        answer = None
+        if page.status_code == 200 and b'name="decision"' in page.content:
+            answer = browser.post(
+                path,
+                {"decision": "approve", "comment": "approved by link", "confirm": "yes"},
+                secure=secure,
+            )
+        if Approval.objects.filter(id=approval_id, status=Approval.Status.PENDING).exists():
+            status = answer.status_code if answer is not None else page.status_code
+            self.broken_links.append(str(approval_id))
+            self.notes.append(f"approval {approval_id}: its emailed link did not decide ({status})")
+            self._decide_directly(approval_id)
 
     def _all_terminal(self) -> bool:
         """Every run is terminal — or, made in the ``person`` round, parked for a person."""
@@ -927,10 +1063,19 @@ class Harness:
         attempts: Counter[str] = Counter()
         while pending:
             if self._all_terminal():
-                self.unreached.extend(pending)
-                break
+                # the outbox's kills bring their own run; the others need runs in flight
+                self.unreached.extend(b for b in pending if b not in NOTIFY_BOUNDARIES)
+                pending = deque(b for b in pending if b in NOTIFY_BOUNDARIES)
+                if not pending:
+                    break
             boundary = pending.popleft()
             attempts[boundary] += 1
+            if boundary in NOTIFY_BOUNDARIES or (
+                boundary == "approval_requested" and attempts[boundary] > 1
+            ):
+                # an approval request of its own, so the email is there to be sent (and a
+                # retried approval_requested kill has a gate to reach)
+                self._create_run(self._pause_plan(large=True), f"kill at {boundary}")
             worker = self._start(0, crash_at=boundary)
             end = time.monotonic() + ATTEMPT_SECONDS
             while worker.alive and time.monotonic() < end:
@@ -955,11 +1100,12 @@ class Harness:
                 self.keep_logs = True
                 self.notes.append(f"{worker.name} died at {boundary} unexpectedly")
                 self.out(worker.log_tail())
-            if (not kill.affected or kill.boundary is None) and attempts[
-                boundary
-            ] < ATTEMPTS_PER_BOUNDARY:
+            unproven = kill.boundary is None or (
+                not kill.affected and boundary not in NOTIFY_BOUNDARIES
+            )
+            if unproven and attempts[boundary] < ATTEMPTS_PER_BOUNDARY:
                 pending.append(boundary)
-            elif not kill.affected or kill.boundary is None:
+            elif unproven:
                 self.unreached.append(boundary)
 
     def _random_phase(self) -> None:
@@ -1235,6 +1381,8 @@ class Harness:
             ).values_list("payload", flat=True)
         }
 
+        notifications = self._notifications()
+
         proven = {kill.boundary for kill in self.kills if kill.boundary and kill.proven}
         boundaries_killed = [name for name in BOUNDARIES if name in proven]
         # per kill: until the first run it held was claimed again, recovered
@@ -1270,6 +1418,7 @@ class Harness:
             "db_connections_terminated": self.connections_terminated,
             "pg_restarts": self.pg_restarts,
             "workers_restarted": self.workers_restarted,
+            **notifications,
             "database": connection.vendor,
             "seed": self.opts.seed,
             "elapsed_seconds": round(time.monotonic() - self.started, 1),
@@ -1300,6 +1449,16 @@ class Harness:
             )
         if double_consumed:
             problems.append(f"{double_consumed} approval(s) consumed more than once")
+        if notifications["lost_notifications"]:
+            problems.append(f"{notifications['lost_notifications']} lost notification(s)")
+        if (notifications["duplicate_notifications"] or 0) > notifications[
+            "duplicate_notifications_allowed"
+        ]:
+            problems.append(
+                f"{notifications['duplicate_notifications']} duplicate notification(s), "
+                f"more than the {notifications['duplicate_notifications_allowed']} kills and "
+                "pauses between a send and its mark explain"
+            )
         failed = [
             (run_id, f"{run.status}: {run.reason_detail or run.reason_code}")
             for run_id, run in runs.items()
@@ -1319,6 +1478,51 @@ class Harness:
         if self.keep_logs:
             self.out(f"worker logs kept in {self.tmp}")
         return report, problems
+
+    def _notifications(self) -> dict[str, Any]:
+        """What the SMTP sink received against what should have been sent (DESIGN §9)."""
+        from approvals.models import Approval
+
+        if self.sink is None:
+            return {
+                "lost_notifications": None,
+                "duplicate_notifications": None,
+                "duplicate_notifications_allowed": 0,
+                "max_notification_seconds": None,
+                "scanner_decisions": None,
+            }
+        received = self.sink.snapshot()
+        copies = Counter(m.message_id for m in received if m.message_id)
+        duplicates = sum(count - 1 for count in copies.values())
+        # a copy is explained by a kill or a pause between a send and its mark: at
+        # notify_sent, at a random moment, or at any other boundary (a kill takes the whole
+        # process group, whose sweeper may be sending at that moment): at most one each
+        allowed = sum(1 for kill in self.kills if kill.sigkilled) + len(self.pauses)
+        first_email: dict[str, datetime] = {}
+        for message in received:
+            if message.approval and APPROVER_EMAIL in message.to:
+                first_email.setdefault(message.approval, message.at_wall)
+        starts = sorted(self.starts)
+        lost = set(self.unnotified) | set(self.broken_links)
+        delays = []
+        for approval_id, requested_at in Approval.objects.filter(
+            run_id__in=self.run_ids
+        ).values_list("id", "requested_at"):
+            arrived = first_email.get(str(approval_id))
+            if arrived is None:
+                lost.add(str(approval_id))
+                continue
+            # from the request, or from the latest worker start before the email: how long
+            # an approver waited with a worker alive
+            alive_again = max([requested_at, *(t for t in starts if t <= arrived)])
+            delays.append((arrived - alive_again).total_seconds())
+        return {
+            "lost_notifications": len(lost),
+            "duplicate_notifications": duplicates,
+            "duplicate_notifications_allowed": allowed,
+            "max_notification_seconds": round(max(delays), 2) if delays else None,
+            "scanner_decisions": len(self.scanner_decisions),
+        }
 
     # --- clean-up -----------------------------------------------------------------------------
 
@@ -1341,6 +1545,8 @@ class Harness:
             worker.process.wait()
         if self.sandbox is not None:
             self.sandbox.stop()
+        if self.sink is not None:
+            self.sink.stop()
         if not self.keep_logs:
             shutil.rmtree(self.tmp, ignore_errors=True)
 

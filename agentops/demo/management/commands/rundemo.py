@@ -30,6 +30,11 @@ HOST = "127.0.0.1"
 STARTUP_TIMEOUT = 30.0
 
 
+def base_url(port: int) -> str:
+    """The address the demo's web server answers on: what emailed links start with."""
+    return f"http://{HOST}:{port}"
+
+
 def _port_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -80,7 +85,7 @@ class Command(BaseCommand):
             raise CommandError("--port and --sandbox-port must differ")
 
         login = self._prepare_database(seed=not options["no_seed"])
-        supervisor = self._supervisor(sandbox_port)
+        supervisor = self._supervisor(sandbox_port, port)
         supervisor.install_signal_handlers()
         try:
             code = self._run(supervisor, login, options)
@@ -108,12 +113,16 @@ class Command(BaseCommand):
             raise CommandError(f"cannot prepare the database: {_first_line(exc)}") from None
         return login
 
-    def _supervisor(self, sandbox_port: int) -> Supervisor:
+    def _supervisor(self, sandbox_port: int, port: int) -> Supervisor:
         env = {
             **os.environ,
             "AGENTOPS_SANDBOX_URL": f"http://{HOST}:{sandbox_port}",
             "PYTHONUNBUFFERED": "1",
         }
+        # emailed links (approvals, questions, alerts) open the web server started here,
+        # on whatever port it was given; an explicit AGENTOPS_BASE_URL (a proxy in front,
+        # another host name) wins
+        env.setdefault("AGENTOPS_BASE_URL", base_url(port))
         env.setdefault("DJANGO_SETTINGS_MODULE", settings.SETTINGS_MODULE)
         return Supervisor(cwd=settings.BASE_DIR, env=env, out=lambda line: self.stdout.write(line))
 
@@ -234,6 +243,11 @@ class Command(BaseCommand):
                 )
         sign_in = "\n            ".join(sign_ins)
         pids = ", ".join(f"{child.name} {child.pid}" for child in supervisor.children)
+        where_mail_goes = (
+            "printed to the worker's log"
+            if settings.EMAIL_BACKEND == "django.core.mail.backends.console.EmailBackend"
+            else f"sent through {settings.EMAIL_BACKEND}"
+        )
         lines = [
             "",
             "agentops is running",
@@ -242,6 +256,8 @@ class Command(BaseCommand):
             "  approve   as demo-approver the runs demo starts (nobody approves their own run)",
             f"  worker    {options['worker_name']}",
             f"  sandbox   http://{HOST}:{sandbox_port} (payments service, deduplicating)",
+            f"  email     {where_mail_goes}; emailed links open "
+            + os.environ.get("AGENTOPS_BASE_URL", base_url(port)),
         ]
         if log_dir is not None:
             lines.append(f"  logs      {log_dir}/{{web,worker,sandbox}}.log")
