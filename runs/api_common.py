@@ -41,6 +41,8 @@ STATUS_BY_CODE: dict[str, int] = {
     "idempotency_key_reused": 409,
     "lease_held": 409,
     "lease_lost": 409,
+    # a fenced write by someone other than the claim's principal and token (runs.remote.lease)
+    "lease_not_yours": 403,
     "already_decided": 409,
     "approval_expired": 409,
     "budget_exhausted": 409,

@@ -113,7 +113,11 @@ def test_send_check_clears_the_current_dispatch_in_one_query(
     actor.require("runs.operate_run")  # the permission cache, as a request's user has it
     with django_assert_num_queries(1):
         remote.remote_toolcall_send_check(
-            tool_call_id=dispatch["tool_call"]["id"], fence=leased.fence, attempt=1, actor=actor
+            tool_call_id=dispatch["tool_call"]["id"],
+            fence=leased.fence,
+            lease_token=leased.lease_token,
+            attempt=1,
+            actor=actor,
         )
 
 
@@ -308,7 +312,8 @@ def test_concurrent_identical_dispatches_answer_the_same(
         assert decided.status_code == 200, decided.content
         assert leased.lease().status_code == 200
 
-    answers = _race(operator, f"/api/v1/tool-calls/{call['id']}/dispatch/", {"fence": leased.fence})
+    proof = {"fence": leased.fence, "lease_token": leased.lease_token}
+    answers = _race(operator, f"/api/v1/tool-calls/{call['id']}/dispatch/", proof)
     assert [a.status_code for a in answers] == [200] * 4, [a.content for a in answers]
     bodies = [a.json() for a in answers]
     assert sorted(b["replayed"] for b in bodies) == [False, True, True, True]
@@ -439,7 +444,7 @@ def test_new_answers_conform_to_the_schema(run, leased, operator, in_process):
     test client would reconnect the signal that closes the connection after a request)."""
     api = schemathesis.openapi.from_wsgi("/api/schema/", application)
     headers = {"Authorization": f"Bearer {token_for(operator, 'schema')}"}
-    fence = {"fence": leased.fence}
+    fence = {"fence": leased.fence, "lease_token": leased.lease_token}
     base = "/api/v1/tool-calls/{tool_call_id}"
     with httpx.Client(base_url="http://testserver", transport=in_process, headers=headers) as http:
         proposed = http.post(

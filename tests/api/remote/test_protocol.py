@@ -97,6 +97,7 @@ def test_stale_fence_is_lease_lost_and_changes_nothing(run, leased):
     seq = _seq(run)
     stale = Agent(leased.client, run.id)
     stale.fence = leased.fence + 5
+    stale.lease_token = leased.lease_token
     for response in (
         stale.run_post("lease/heartbeat"),
         stale.run_post("steps", {"state": {"x": 1}}),
@@ -449,7 +450,7 @@ def test_fenced_endpoints_refuse_viewers_strangers_and_bad_input(
 ):
     call_id = leased.propose("lookup", {}).json()["tool_call"]["id"]
     seq = _seq(run)
-    body = {"fence": leased.fence, **VALID.get(template, {})}
+    body = {"fence": leased.fence, "lease_token": leased.lease_token, **VALID.get(template, {})}
     path = _path(template, run, call_id)
 
     assert_error(as_viewer.post(path, body), 403, "permission_denied")
@@ -462,7 +463,7 @@ def test_fenced_endpoints_refuse_viewers_strangers_and_bad_input(
 @pytest.mark.parametrize("template", FENCED)
 def test_fenced_endpoints_on_missing_objects(template, leased):
     path = "/api/v1/" + template.format(run="00000000-0000-0000-0000-000000000000", call=999999)
-    body = {"fence": 1, **VALID.get(template, {})}
+    body = {"fence": 1, "lease_token": leased.lease_token, **VALID.get(template, {})}
     assert_error(leased.client.post(path, body), 404, "not_found")
 
 

@@ -331,7 +331,8 @@ def test_fence_is_required(run, leased):
 def test_hosted_run_is_invalid_state(api_agents, as_operator):
     hosted = start()
     response = as_operator.post(
-        f"/api/v1/runs/{hosted.id}/waits/", {"fence": 1, "kind": "timer", "seconds": 1}
+        f"/api/v1/runs/{hosted.id}/waits/",
+        {"fence": 1, "lease_token": "t", "kind": "timer", "seconds": 1},
     )
     assert_error(response, 409, "invalid_state")
 
@@ -343,7 +344,7 @@ def test_open_tool_call_is_invalid_state(run, leased):
 
 def test_viewers_and_strangers_are_refused(run, leased, as_viewer, anonymous):
     url = f"/api/v1/runs/{run.id}/waits/"
-    body = {"fence": leased.fence, "kind": "timer", "seconds": 1}
+    body = {"fence": leased.fence, "lease_token": leased.lease_token, "kind": "timer", "seconds": 1}
     assert_error(as_viewer.post(url, body), 403, "permission_denied")
     assert_error(anonymous.post(url, body), 401, "not_authenticated")
     assert not Step.objects.filter(run=run).exists()
@@ -352,7 +353,7 @@ def test_viewers_and_strangers_are_refused(run, leased, as_viewer, anonymous):
 def test_missing_run_is_not_found(as_operator):
     response = as_operator.post(
         "/api/v1/runs/00000000-0000-0000-0000-000000000000/waits/",
-        {"fence": 1, "kind": "timer", "seconds": 1},
+        {"fence": 1, "lease_token": "t", "kind": "timer", "seconds": 1},
     )
     assert_error(response, 404, "not_found")
 
@@ -393,19 +394,37 @@ def test_answers_conform_to_the_schema(run, operator, in_process):
     with httpx.Client(base_url="http://testserver", transport=in_process, headers=headers) as http:
         leased = http.post(f"/api/v1/runs/{run.id}/lease/", json={})
         fence = leased.json()["fence"]
+        token = leased.json()["lease_token"]
         _signal(run, operator, "early", {"n": 1})
         answers = [
             http.post(
                 f"/api/v1/runs/{run.id}/waits/",
-                json={"fence": fence, "kind": "signal", "name": "early", "seq": 1},
+                json={
+                    "fence": fence,
+                    "lease_token": token,
+                    "kind": "signal",
+                    "name": "early",
+                    "seq": 1,
+                },
             ),
             http.post(
                 f"/api/v1/runs/{run.id}/waits/",
-                json={"fence": fence, "kind": "signal", "name": "early", "seq": 1},
+                json={
+                    "fence": fence,
+                    "lease_token": token,
+                    "kind": "signal",
+                    "name": "early",
+                    "seq": 1,
+                },
             ),
             http.post(
                 f"/api/v1/runs/{run.id}/waits/",
-                json={"fence": fence, "kind": "question", "text": "Which plan?"},
+                json={
+                    "fence": fence,
+                    "lease_token": token,
+                    "kind": "question",
+                    "text": "Which plan?",
+                },
             ),
         ]
         assert [a.status_code for a in answers] == [201, 200, 201]
