@@ -619,6 +619,17 @@ class AgentManifest(models.Model):
     tools = models.JSONField(default=list, blank=True)
     # version -> list of state migration descriptions (remote agents migrate their own state)
     migrations = models.JSONField(default=dict, blank=True)
+    # The principal whose API tokens may lease and drive this agent's runs (with the agent
+    # role's permission): named by an admin, never by the agent. None: nobody drives them.
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="owned_agents",
+    )
+    # the groups the agent's runs may ask questions (and so email free text) to
+    question_groups = models.JSONField(default=list, blank=True)
     registered_by = models.CharField(max_length=200)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

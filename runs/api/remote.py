@@ -1018,6 +1018,20 @@ class ManifestInputSerializer(serializers.Serializer):
         help_text='{"<from version>": {"to": "<version>", "description": "..."}}: which older '
         "versions' runs this version may take over.",
     )
+    owner = serializers.CharField(
+        required=False,
+        allow_null=True,
+        max_length=150,
+        help_text="The username whose API tokens lease and drive this agent's runs (a service "
+        "account in the agent role). null: nobody. Left out of an update: unchanged.",
+    )
+    question_groups = serializers.ListField(
+        child=serializers.CharField(max_length=150),
+        required=False,
+        max_length=20,
+        help_text="The groups its runs may ask questions (POST /runs/{id}/waits/, kind "
+        "question). Default: none.",
+    )
 
 
 AGENT_NAME_PARAMETER = OpenApiParameter(

@@ -17,10 +17,10 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from runs import engine
-from runs.actors import Actor
+from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
 from runs.events import LeaseLost, RunNotFound, checkpoint
-from runs.models import Run, Step, ToolCall
+from runs.models import AgentManifest, Run, Step, ToolCall
 from runs.registry import Effect, Tool, UnknownTool, registry
 from runs.remote.manifest import is_remote
 from runs.remote.resume import resume_packet
@@ -69,7 +69,10 @@ def _owner(actor: Actor, owner: str) -> str:
     return f"{actor.label}#{owner}"[:200] if owner else actor.label[:200]
 
 
-def _require_remote(run_id: Any) -> Run:
+def _require_remote(run_id: Any, actor: Actor) -> Run:
+    """The run, if it is a remote agent's and ``actor`` may drive it (``require_driver``):
+    every request of the protocol starts here."""
+    actor.require(DRIVE_REMOTE_RUN)  # before anything is read: a stranger learns nothing
     run = Run.objects.filter(id=run_id).only("id", "agent_name").first()
     if run is None:
         raise RunNotFound(f"run {run_id} does not exist")
@@ -77,6 +80,7 @@ def _require_remote(run_id: Any) -> Run:
         raise InvalidState(
             f"{run.agent_name} is a hosted agent: its runs are advanced by workers, not leased"
         )
+    actor.require_driver(run.agent_name)
     return run
 
 
@@ -88,11 +92,13 @@ def _token_matches(run: Run, lease_token: str) -> bool:
 
 
 def holder_conditions(actor: Actor, lease_token: str) -> dict[str, Any]:
-    """``_prove_holder`` as conditions on the run's row, for a check that must be one query
-    (the pre-send check)."""
+    """``_prove_holder`` and ``require_driver``'s ownership as conditions on the run's row,
+    for a check that must be one query (the pre-send check)."""
+    user_id = getattr(actor.user, "pk", None)
     return {
         "lease_token_hash": token_hash(lease_token or ""),
-        "lease_holder": getattr(actor.user, "pk", None),
+        "lease_holder": user_id,
+        "agent_name__in": AgentManifest.objects.filter(owner_id=user_id).values("name"),
     }
 
 
@@ -141,8 +147,7 @@ def _held(run_id: Any, fence: int, actor: Actor, lease_token: str) -> RemoteLeas
     """The caller's lease, rebuilt from the record; ``LeaseLost`` unless ``fence`` is the
     current incarnation's and its lease is live, ``LeaseNotYours`` unless the caller is the
     principal that claimed it and presents the claim's token."""
-    actor.require("runs.operate_run")
-    _require_remote(run_id)
+    _require_remote(run_id, actor)
     run = (
         Run.objects.select_related("principal")
         .filter(id=run_id, fence=fence, status=Run.Status.RUNNING, lease_expires_at__gt=Now())
@@ -255,8 +260,7 @@ def remote_lease_acquire(*, run_id: Any, actor: Actor, owner: str = "") -> Lease
     """Claim a remote run's lease with the engine's compare-and-set. ``LeaseHeld`` when
     another process holds a live lease; ``InvalidState`` when the run is not runnable. The
     resume checks of DESIGN §5 run here, before the process decides anything."""
-    actor.require("runs.operate_run")
-    _require_remote(run_id)
+    _require_remote(run_id, actor)
     lease_token = secrets.token_urlsafe(32)
 
     def bind_to_caller(run: Run, recovered: bool) -> None:

@@ -71,8 +71,7 @@ def remote_step_record(
     new step (two identical decisions in a row may be meant)."""
     input = input if input is not None else {}
     if seq is not None:
-        actor.require("runs.operate_run")
-        _require_remote(run_id)
+        _require_remote(run_id, actor)
         lease_holder_check(run_id, fence, actor, lease_token)
         replayed = _replayed_step(
             run_id,

@@ -14,7 +14,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from runs import engine
-from runs.actors import Actor
+from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
 from runs.events import LeaseLost
 from runs.models import Run, Step, ToolCall, ToolReceipt
@@ -364,8 +364,8 @@ def remote_toolcall_send_check(
     (``engine.presend_row``, the hosted worker's own check). Refused: ``LeaseLost`` (another
     process took over, the lease was released), ``SendDeadlinePassed``, or ``InvalidState``
     (the call is no longer that dispatch) — and the agent must not send. Writes nothing."""
-    actor.require("runs.operate_run")
-    # the holder's proof is part of the one query: a clearance is only given to the holder
+    actor.require(DRIVE_REMOTE_RUN)
+    # the holder's proof and the ownership are part of the one query: a clearance is only given to the holder
     row = engine.presend_row(
         tool_call_id, fence=fence, attempt=attempt, holder=holder_conditions(actor, lease_token)
     )
@@ -385,6 +385,7 @@ def remote_toolcall_send_check(
     if call is None:
         raise ToolCall.DoesNotExist(f"tool call {tool_call_id} does not exist")
     run = call.run
+    actor.require_driver(run.agent_name)
     _prove_holder(run, fence, actor, lease_token)
     if run.fence != fence or run.status != Run.Status.RUNNING:
         raise LeaseLost(

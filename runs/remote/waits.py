@@ -86,8 +86,7 @@ def remote_wait_begin(
     if not isinstance(action, WaitForSignal | Sleep | AskQuestion):
         raise InvalidInput("a wait is a signal, a timer or a question")
     if seq is not None:
-        actor.require("runs.operate_run")
-        _require_remote(run_id)
+        _require_remote(run_id, actor)
         lease_holder_check(run_id, fence, actor, lease_token)
         replayed = _replayed_step(
             run_id, fence, seq, Step.Kind.WAIT, lambda step: _same_wait(step, action)
@@ -98,6 +97,8 @@ def remote_wait_begin(
     if error:
         raise InvalidInput(error)
     lease = _held(run_id, fence, actor, lease_token)
+    if isinstance(action, AskQuestion):
+        actor.require_question_to(lease.run.agent_name, action.group)
     _honour_request(lease)
     if lease.open_step() is not None:
         raise InvalidState("a tool call is still open: record its receipt before waiting")

@@ -45,11 +45,18 @@ MANIFEST: dict[str, Any] = {
         {"name": "lookup", "effect": "read"},
         {"name": "charge", "effect": "idempotent", "precondition": True},
     ],
+    "question_groups": ["operator"],
 }
 
 
-def register_remote(admin, name: str = "pay_bot", manifest: dict | None = None) -> None:
-    agent_manifest_put(name=name, manifest=manifest or MANIFEST, actor=Actor.for_user(admin, "cli"))
+def register_remote(
+    admin, name: str = "pay_bot", manifest: dict | None = None, *, owner=None
+) -> None:
+    """Register the manifest; ``owner`` (a user in the agent role) may drive its runs."""
+    manifest = {**(manifest or MANIFEST)}
+    if owner is not None:
+        manifest["owner"] = owner.get_username()
+    agent_manifest_put(name=name, manifest=manifest, actor=Actor.for_user(admin, "cli"))
 
 
 def remote_run(principal, agent: str = "pay_bot", **input) -> Run:

@@ -9,9 +9,11 @@ import hashlib
 
 import pytest
 
+from runs.actors import Actor
 from runs.models import Run, RunEvent, Step, ToolCall
+from runs.remote import agent_manifest_put
 from tests.api.conftest import assert_error, client_for
-from tests.api.remote_support import Agent
+from tests.api.remote_support import MANIFEST, Agent
 from tests.conftest import _user_in
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("roles")]
@@ -73,23 +75,37 @@ def test_a_guessed_token_writes_nothing(template, run, leased, dispatched):
 
 
 @pytest.mark.parametrize("template", FENCED)
-def test_another_principal_with_the_fence_and_token_writes_nothing(
+def test_another_service_account_in_the_agent_role_writes_nothing(
     template, run, leased, dispatched, django_user_model
 ):
-    """Even the right token does not make someone else the holder (a token copied from a
-    log, or from a colleague's process): the claim bound the lease to its principal too."""
-    other = _user_in(django_user_model, "otto", *_groups_of(leased))
+    """Even with the fence and the token (copied from a log, or from a colleague's process),
+    a principal that does not own the agent drives none of its runs."""
+    other = _user_in(django_user_model, "otto", "agent")
     thief = Agent(client_for(other), run.id)
     thief.fence, thief.lease_token = leased.fence, leased.lease_token
     before = _snapshot(run)
     response = thief.post(template.format(run=run.id, call=dispatched), FENCED[template])
-    assert_error(response, 403, "lease_not_yours")
+    assert_error(response, 403, "permission_denied")
     assert _snapshot(run) == before
 
 
-def _groups_of(agent: Agent) -> list[str]:
-    holder = Run.objects.select_related("lease_holder").get(id=agent.run_id).lease_holder
-    return list(holder.groups.values_list("name", flat=True))
+@pytest.mark.parametrize("template", FENCED)
+def test_a_new_owner_does_not_inherit_the_old_owners_lease(
+    template, run, leased, dispatched, admin, django_user_model
+):
+    """An admin names another owner while the old one holds a lease: the old owner writes
+    nothing more (permission_denied), and the new one writes nothing into that lease even
+    with its token (lease_not_yours) — it claims its own when the lease ends."""
+    successor = _user_in(django_user_model, "otto", "agent")
+    manifest = {**MANIFEST, "owner": successor.username}
+    agent_manifest_put(name="pay_bot", manifest=manifest, actor=Actor.for_user(admin, "cli"))
+    before = _snapshot(run)
+    path = template.format(run=run.id, call=dispatched)
+    assert_error(leased.post(path, FENCED[template]), 403, "permission_denied")
+    thief = Agent(client_for(successor), run.id)
+    thief.fence, thief.lease_token = leased.fence, leased.lease_token
+    assert_error(thief.post(path, FENCED[template]), 403, "lease_not_yours")
+    assert _snapshot(run) == before
 
 
 def test_a_retry_answered_from_the_record_needs_the_token_too(run, leased):
