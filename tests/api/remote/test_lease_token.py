@@ -142,3 +142,15 @@ def test_events_name_the_principal_that_wrote(run, leased):
     event = RunEvent.objects.filter(run=run, type="step.decided").get()
     assert event.actor.startswith("token:") and event.actor.endswith("#proc-1")
     assert holder.username in event.actor
+
+
+def test_is_lease_holder_names_only_the_live_holder(run, leased, robot, operator):
+    """The predicate other code (masking) asks: the principal the claim answered, while its
+    lease lives."""
+    from runs.remote import is_lease_holder
+
+    assert is_lease_holder(robot, Run.objects.get(id=run.id))
+    assert not is_lease_holder(operator, Run.objects.get(id=run.id))
+    assert not is_lease_holder(None, Run.objects.get(id=run.id))
+    assert leased.run_post("lease/release").status_code == 200
+    assert not is_lease_holder(robot, Run.objects.get(id=run.id))
