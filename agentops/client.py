@@ -62,6 +62,7 @@ __all__ = [
     "ToolFailed",
     "LeaseHeld",
     "LeaseLost",
+    "LeaseNotYours",
     "Proposal",
     "RemoteRun",
     "Resume",
@@ -133,6 +134,11 @@ class LeaseLost(ApiError):
     """This process no longer holds the lease: stop, write nothing more."""
 
 
+class LeaseNotYours(LeaseLost):
+    """The write named a fence this process's claim did not get (another principal's or
+    process's lease): stop, write nothing more."""
+
+
 class BudgetExhausted(ApiError):
     pass
 
@@ -181,6 +187,7 @@ _ERRORS: dict[str, type[ApiError]] = {
     "invalid_state": InvalidState,
     "lease_held": LeaseHeld,
     "lease_lost": LeaseLost,
+    "lease_not_yours": LeaseNotYours,
     "budget_exhausted": BudgetExhausted,
     "throttled": Throttled,
 }
@@ -717,12 +724,15 @@ class Client:
 
 
 class RemoteRun:
-    """The run while this process holds its lease. Every write carries the fence."""
+    """The run while this process holds its lease. Every write carries the fence and the
+    lease token the claim returned (a secret of this process: never logged, never sent to a
+    tool)."""
 
     def __init__(self, client: Client, data: Mapping[str, Any]) -> None:
         self.client = client
         self.run_id: str = str(data["run"])
         self.fence: int = data["fence"]
+        self._lease_token: str = data["lease_token"]
         self.lease_expires_at: str = data["lease_expires_at"]
         self.lease_ttl: float = float(data.get("lease_ttl_seconds", 30.0))
         self.resume = Resume.from_json(data["resume"])
@@ -732,7 +742,8 @@ class RemoteRun:
         self._beater: threading.Thread | None = None
 
     def _post(self, path: str, body: Mapping[str, Any] | None = None) -> Any:
-        return self.client.request("POST", path, json={"fence": self.fence, **(body or {})})
+        proof = {"fence": self.fence, "lease_token": self._lease_token}
+        return self.client.request("POST", path, json={**proof, **(body or {})})
 
     # keeping the lease
 

@@ -43,6 +43,10 @@ ROLE_PERMISSIONS: dict[str, list[str]] = {
         "auth.view_user",
         "auth.view_group",
     ],
+    # service accounts that drive remote agents (DESIGN §9, contract name): lease, drive and
+    # read the runs of the agents whose manifests name them owner (runs.actors) — nothing an
+    # operator does. Anything more is an admin's explicit, audited grant of another role.
+    "agent": ["runs.drive_remote_run"],
     "admin": [
         "runs.view_run",
         "runs.start_run",

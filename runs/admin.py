@@ -990,7 +990,7 @@ class IdempotentRequestAdmin(ReadOnlyAdmin):
 class AgentManifestAdmin(ReadOnlyAdmin):
     """Registered through ``PUT /api/v1/agents/{name}/`` (audited there), never edited here."""
 
-    list_display = ["name", "version", "registered_by", "created_at", "updated_at"]
+    list_display = ["name", "version", "owner", "registered_by", "created_at", "updated_at"]
     exact_search_fields = ("name", "registered_by")
 
 

@@ -21,7 +21,7 @@ from rest_framework import exceptions, pagination, permissions, serializers
 from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
-from runs.actors import Actor
+from runs.actors import Actor, run_read_scope
 from runs.actors import PermissionDenied as ActorPermissionDenied
 from runs.api_parsers import JsonInputRefused
 from runs.events import LeaseLost, RunNotFound
@@ -41,6 +41,8 @@ STATUS_BY_CODE: dict[str, int] = {
     "idempotency_key_reused": 409,
     "lease_held": 409,
     "lease_lost": 409,
+    # a fenced write by someone other than the claim's principal and token (runs.remote.lease)
+    "lease_not_yours": 403,
     "already_decided": 409,
     "approval_expired": 409,
     "budget_exhausted": 409,
@@ -210,6 +212,26 @@ class HasPerm(permissions.BasePermission):
 
 def has_perm(perm: str) -> type[HasPerm]:
     return type(f"Has_{perm.replace('.', '_')}", (HasPerm,), {"perm": perm})
+
+
+class CanReadRuns(permissions.BasePermission):
+    """Some runs to read (``runs.actors.run_read_scope``): all with ``perm``, an agent
+    role's own agents' runs; the view filters by the scope (``readable``)."""
+
+    perm = "runs.view_run"
+
+    def has_permission(self, request, view) -> bool:
+        return run_read_scope(request.user, perm=self.perm) is not None
+
+
+class CanReadToolCalls(CanReadRuns):
+    perm = "runs.view_toolcall"
+
+
+def readable(request, queryset, prefix: str = "", perm: str = "runs.view_run"):
+    """``queryset`` cut to the runs the request's user may read (``CanReadRuns`` ran)."""
+    scope = run_read_scope(request.user, prefix, perm)
+    return queryset.filter(scope) if scope is not None else queryset.none()
 
 
 # --- error responses in the schema ---------------------------------------------------------

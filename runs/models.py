@@ -82,6 +82,19 @@ class Run(models.Model):
     lease_owner = models.CharField(max_length=200, blank=True)
     lease_expires_at = models.DateTimeField(null=True, blank=True)
     fence = models.PositiveBigIntegerField(default=0)
+    # A remote lease's secret (runs.remote.lease): the SHA-256 of the token the claim that
+    # set ``fence`` returned, and the principal it was returned to. Every fenced write of the
+    # remote protocol presents the token; the fence alone is visible to every viewer. Kept
+    # after a release (the next claim replaces both) so that a retried write of that
+    # incarnation can still prove it is the one that made the first attempt.
+    lease_token_hash = models.CharField(max_length=64, blank=True, default="")
+    lease_holder = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
     recovery_count = models.PositiveIntegerField(default=0)
     # recovery_count when an operator last retried a dead-lettered run: the limit counts the
     # recoveries since then, while recovery_count itself is never reset (it is history)
@@ -121,6 +134,8 @@ class Run(models.Model):
             ("resolve_toolcall", "Can resolve unknown tool outcomes"),
             # runs.masking: values a tool declared sensitive in its result, unmasked
             ("view_sensitive", "Can see sensitive tool output unmasked"),
+            # the agent role: lease and drive the runs of the remote agents one owns
+            ("drive_remote_run", "Can lease and drive runs of the remote agents it owns"),
         ]
         indexes = [
             # the sweeper: runnable runs (few at any time), then their leases are checked
@@ -669,6 +684,17 @@ class AgentManifest(models.Model):
     tools = models.JSONField(default=list, blank=True)
     # version -> list of state migration descriptions (remote agents migrate their own state)
     migrations = models.JSONField(default=dict, blank=True)
+    # The principal whose API tokens may lease and drive this agent's runs (with the agent
+    # role's permission): named by an admin, never by the agent. None: nobody drives them.
+    owner = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="owned_agents",
+    )
+    # the groups the agent's runs may ask questions (and so email free text) to
+    question_groups = models.JSONField(default=list, blank=True)
     registered_by = models.CharField(max_length=200)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)

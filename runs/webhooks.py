@@ -10,7 +10,9 @@ Events (``X``: the run event that causes it):
   run is then queued: lease it to continue);
 - ``run.finished`` (``run.succeeded``, ``run.failed``, ``run.terminated``).
 
-A token receives the events of runs whose principal is the token's principal. Each becomes a
+A token receives the events of runs whose principal is the token's principal, and of the
+runs of the remote agents its principal owns (the agent role: the process that drives them
+learns there when to lease again). Each becomes a
 ``WebhookDelivery`` row written *inside the transaction that appends the event*
 (``runs.events.register_event_listener``): an event that commits always gets its delivery,
 a rolled-back one never does. Deliveries are outbox rows (``runs.outbox``, DESIGN §9):
@@ -80,9 +82,12 @@ def _conf(name: str, default: Any) -> Any:
     return settings.AGENTOPS.get(name, default)
 
 
-def _live_tokens(principal_id: Any):
+def _live_tokens(principal_id: Any, *, agent_name: str | None = None):
+    hears = Q(principal_id=principal_id) if principal_id is not None else Q(pk__in=[])
+    if agent_name is not None:
+        hears |= Q(principal__owned_agents__name=agent_name)
     return (
-        ApiToken.objects.filter(principal_id=principal_id, revoked_at__isnull=True)
+        ApiToken.objects.filter(hears, revoked_at__isnull=True)
         .filter(Q(expires_at__isnull=True) | Q(expires_at__gt=Now()))
         .exclude(webhook_url="")
     )
@@ -92,9 +97,13 @@ def enqueue_for_checkpoint(cp: Checkpoint) -> None:
     """The event listener: inside the checkpoint's transaction, one delivery per matching
     event per subscribed token."""
     matching = [event for event in cp.events if event.type in EVENT_TYPES]
-    if not matching or cp.run.principal_id is None:
+    if not matching:
         return
-    token_ids = list(_live_tokens(cp.run.principal_id).values_list("id", flat=True))
+    token_ids = list(
+        _live_tokens(cp.run.principal_id, agent_name=cp.run.agent_name)
+        .values_list("id", flat=True)
+        .distinct()
+    )
     if not token_ids:
         return
     status = cp.updates.get("status", cp.run.status)

@@ -68,6 +68,12 @@ def viewer(django_user_model):
     return _user_in(django_user_model, "victor", "viewer")
 
 
+@pytest.fixture
+def robot(django_user_model):
+    """A service account in the agent role (the remote tests' manifests name it owner)."""
+    return _user_in(django_user_model, "robby", "agent")
+
+
 def drive(run_id, *, worker: str = "test-worker", max_slices: int = 20) -> Run:
     """Advance a run through the real engine until it stops being claimable."""
     for _ in range(max_slices):

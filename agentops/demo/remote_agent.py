@@ -6,8 +6,11 @@ before calling, the pre-send check, reconcile an unknown outcome by key with a l
 began after the landing deadline, never blindly send again) keeps it to exactly one refund,
 whichever process dies or freezes where. ``agentops.client`` runs that loop.
 
-    python -m agentops.demo.remote_agent --register          # once, with an admin token
-    python -m agentops.demo.remote_agent --run <run id>      # as often as you like
+    # once, with an admin token: register the manifest, naming the service account (in the
+    # agent role) whose tokens drive its runs
+    python -m agentops.demo.remote_agent --register --agent-account refunder-bot
+    # as often as you like, with a token of that service account
+    python -m agentops.demo.remote_agent --run <run id>
 
 Environment: ``AGENTOPS_URL`` (default http://127.0.0.1:8000), ``AGENTOPS_TOKEN``,
 ``SANDBOX_URL`` (default http://127.0.0.1:8765). Imports no Django.
@@ -190,6 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--url", default=os.environ.get("AGENTOPS_URL", "http://127.0.0.1:8000"))
     parser.add_argument("--sandbox", default=os.environ.get("SANDBOX_URL", "http://127.0.0.1:8765"))
     parser.add_argument("--register", action="store_true", help="register the manifest and exit")
+    parser.add_argument(
+        "--agent-account",
+        help="with --register: the username (agent role) whose tokens drive the agent's runs",
+    )
     parser.add_argument("--run", help="the run to advance")
     parser.add_argument("--owner", default=f"{socket.gethostname()}:{os.getpid()}")
     parser.add_argument("--wait", type=float, default=60.0, help="wait this long for the lease")
@@ -205,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with client:
         if args.register:
-            client.register_agent(NAME, MANIFEST)
+            manifest = dict(MANIFEST)
+            if args.agent_account:
+                manifest["owner"] = args.agent_account
+            client.register_agent(NAME, manifest)
             say(f"registered {NAME}")
             return 0
         if not args.run:

@@ -26,13 +26,15 @@ from runs import selectors, services
 from runs.api_common import (
     IDEMPOTENCY_KEY_HEADER,
     ApiError,
+    CanReadRuns,
+    CanReadToolCalls,
     CreatedCursorPagination,
     IdCursorPagination,
     QueryParamsSerializer,
     SeqPagination,
     actor_for,
     errors,
-    has_perm,
+    readable,
 )
 from runs.idempotency import run_create_idempotent
 from runs.masking import Masker, maskers_for_ids
@@ -531,7 +533,7 @@ class RunCollectionApi(generics.GenericAPIView):
 
     def get_permissions(self):
         if self.request.method == "GET":
-            return [has_perm("runs.view_run")()]
+            return [CanReadRuns()]
         return super().get_permissions()
 
     @extend_schema(
@@ -542,7 +544,7 @@ class RunCollectionApi(generics.GenericAPIView):
     def get(self, request):
         filters = RunListFilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
-        runs = selectors.runs_for_api(**filters.validated_data)
+        runs = readable(request, selectors.runs_for_api(**filters.validated_data))
         page = self.paginate_queryset(runs)
         return self.get_paginated_response(RunSummarySerializer(page, many=True).data)
 
@@ -588,19 +590,26 @@ class RunCollectionApi(generics.GenericAPIView):
         )
 
 
+def _require_readable(request, run_id: Any) -> None:
+    # a run outside the reader's scope is not found: its existence is not theirs to learn
+    if not readable(request, Run.objects.filter(id=run_id)).exists():
+        raise ApiError("not_found", "Not found.")
+
+
 class RunDetailApi(APIView):
-    permission_classes = [has_perm("runs.view_run")]
+    permission_classes = [CanReadRuns]
 
     @extend_schema(
         summary="One run with its state, budget and usage",
         responses={200: RunSerializer, **errors("not_found")},
     )
     def get(self, request, run_id):
+        _require_readable(request, run_id)
         return Response(RunSerializer(_run_detail(run_id), context={"request": request}).data)
 
 
 class RunEventListApi(generics.GenericAPIView):
-    permission_classes = [has_perm("runs.view_run")]
+    permission_classes = [CanReadRuns]
     pagination_class = SeqPagination
     serializer_class = RunEventSerializer
 
@@ -612,8 +621,7 @@ class RunEventListApi(generics.GenericAPIView):
         },
     )
     def get(self, request, run_id):
-        if not Run.objects.filter(id=run_id).exists():
-            raise ApiError("not_found", "Not found.")
+        _require_readable(request, run_id)
         page = self.paginate_queryset(RunEvent.objects.filter(run_id=run_id))
         context = {"request": request}
         return self.get_paginated_response(
@@ -663,7 +671,7 @@ class RunTerminateApi(APIView):
 
 
 class ToolCallListApi(generics.GenericAPIView):
-    permission_classes = [has_perm("runs.view_toolcall")]
+    permission_classes = [CanReadToolCalls]
     pagination_class = IdCursorPagination
 
     @extend_schema(
@@ -674,7 +682,12 @@ class ToolCallListApi(generics.GenericAPIView):
     def get(self, request):
         filters = ToolCallListFilterSerializer(data=request.query_params)
         filters.is_valid(raise_exception=True)
-        calls = selectors.toolcalls_for_api(**filters.validated_data)
+        calls = readable(
+            request,
+            selectors.toolcalls_for_api(**filters.validated_data),
+            "run__",
+            "runs.view_toolcall",
+        )
         page = self.paginate_queryset(calls)
         # the page's runs masked in one go (runs.masking)
         masks = maskers_for_ids({call.run_id for call in page}, user=request.user)

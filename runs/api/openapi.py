@@ -2,7 +2,7 @@
 
 - **Links** (OpenAPI 3 ``links``) from an operation's response to the operations a client
   performs next with the ids it returned: create a run → read it, its events, act on it,
-  lease it; lease → heartbeat, step, propose, finish with the returned fence; propose →
+  lease it; lease → heartbeat, step, propose, finish with the returned fence and lease token; propose →
   dispatch → receipt with the returned call id. Schemathesis follows them in its stateful
   phase; humans read them in the Swagger UI.
 - ``additionalProperties: false`` on the manifest's request schemas: the server refuses
@@ -50,7 +50,10 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {
         name: {
             "operationId": op,
             "parameters": {"run_id": "$response.body#/run"},
-            "requestBody": {"fence": "$response.body#/fence"},
+            "requestBody": {
+                "fence": "$response.body#/fence",
+                "lease_token": "$response.body#/lease_token",
+            },
         }
         for name, op in FENCED_RUN_ACTIONS.items()
     },

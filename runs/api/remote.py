@@ -1,7 +1,8 @@
 """The remote-agent protocol (``runs.remote``), signals, and remote agents' manifests.
 
-Every write of the lease holder carries ``fence`` in its body; a stale fence (or an expired
-or released lease) is ``409 lease_lost`` and changes nothing.
+Every write of the lease holder carries ``fence`` and ``lease_token`` in its body; a stale
+fence (or an expired or released lease) is ``409 lease_lost``, another claim's token or
+principal ``403 lease_not_yours``, and either changes nothing.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ from runs.waits import ANSWER_MAX, run_signal
 # signal names are identifiers: what a wait's code names, safe in logs and URLs
 SIGNAL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,99}$"
 FENCE_HELP = "The fence returned by POST /lease/: proves this process still holds the lease."
+LEASE_TOKEN_HELP = (
+    "The lease_token returned by POST /lease/ with this fence: proves this process is the one "
+    "the claim answered (the fence alone is visible to every viewer of the run)."
+)
 MAX_FENCE = 2**63 - 1
 MAX_SEQ = 2**31 - 1
 # ten years: longer waits are better modelled as a signal with no timeout
@@ -68,6 +73,14 @@ def _recorded(body: Any, *, replayed: bool) -> Response:
 
 class FenceSerializer(serializers.Serializer):
     fence = serializers.IntegerField(min_value=1, max_value=MAX_FENCE, help_text=FENCE_HELP)
+    lease_token = serializers.CharField(
+        min_length=1, max_length=200, trim_whitespace=False, help_text=LEASE_TOKEN_HELP
+    )
+
+
+def _lease(data: dict[str, Any]) -> dict[str, Any]:
+    """The holder's proof, as every fenced service takes it."""
+    return {"fence": data["fence"], "lease_token": data["lease_token"]}
 
 
 # --- lease ---------------------------------------------------------------------------------------
@@ -173,6 +186,11 @@ class ResumeSerializer(serializers.Serializer):
 class LeaseSerializer(serializers.Serializer):
     run = serializers.UUIDField(source="run_id")
     fence = serializers.IntegerField()
+    lease_token = serializers.CharField(
+        help_text="A secret for this claim, shown only here (the server keeps its hash): send "
+        "it with the fence in every write of this lease. Keep it out of logs and never pass "
+        "it to a tool."
+    )
     lease_expires_at = serializers.DateTimeField()
     lease_ttl_seconds = serializers.FloatField(
         help_text="Heartbeat well within this (a third of it is a good interval)."
@@ -215,14 +233,14 @@ class LeaseHeartbeatApi(APIView):
         request=FenceSerializer,
         responses={
             200: LeaseStatusSerializer,
-            **errors("validation_error", "not_found", "invalid_state", "lease_lost"),
+            **errors(
+                "validation_error", "not_found", "invalid_state", "lease_lost", "lease_not_yours"
+            ),
         },
     )
     def post(self, request, run_id):
         data = _input(FenceSerializer, request)
-        run = remote.remote_lease_heartbeat(
-            run_id=run_id, fence=data["fence"], actor=actor_for(request)
-        )
+        run = remote.remote_lease_heartbeat(run_id=run_id, **_lease(data), actor=actor_for(request))
         return Response(LeaseStatusSerializer(run).data)
 
 
@@ -232,14 +250,14 @@ class LeaseReleaseApi(APIView):
         request=FenceSerializer,
         responses={
             200: LeaseStatusSerializer,
-            **errors("validation_error", "not_found", "invalid_state", "lease_lost"),
+            **errors(
+                "validation_error", "not_found", "invalid_state", "lease_lost", "lease_not_yours"
+            ),
         },
     )
     def post(self, request, run_id):
         data = _input(FenceSerializer, request)
-        run = remote.remote_lease_release(
-            run_id=run_id, fence=data["fence"], actor=actor_for(request)
-        )
+        run = remote.remote_lease_release(run_id=run_id, **_lease(data), actor=actor_for(request))
         return Response(LeaseStatusSerializer(run).data)
 
 
@@ -292,7 +310,12 @@ class StepApi(APIView):
                 StepSerializer, description="A retry (same fence and seq): the step recorded."
             ),
             **errors(
-                "validation_error", "not_found", "invalid_state", "lease_lost", "budget_exhausted"
+                "validation_error",
+                "not_found",
+                "invalid_state",
+                "lease_lost",
+                "lease_not_yours",
+                "budget_exhausted",
             ),
         },
     )
@@ -300,7 +323,7 @@ class StepApi(APIView):
         data = _input(StepInputSerializer, request)
         recorded = remote.remote_step_record(
             run_id=run_id,
-            fence=data["fence"],
+            **_lease(data),
             actor=actor_for(request),
             input=data["input"],
             output=data["output"],
@@ -357,7 +380,12 @@ class ProposeApi(APIView):
                 "recorded: the same call, still open.",
             ),
             **errors(
-                "validation_error", "not_found", "invalid_state", "lease_lost", "budget_exhausted"
+                "validation_error",
+                "not_found",
+                "invalid_state",
+                "lease_lost",
+                "lease_not_yours",
+                "budget_exhausted",
             ),
         },
     )
@@ -365,7 +393,7 @@ class ProposeApi(APIView):
         data = _input(ProposeInputSerializer, request)
         proposal = remote.remote_toolcall_propose(
             run_id=run_id,
-            fence=data["fence"],
+            **_lease(data),
             actor=actor_for(request),
             tool=data["tool"],
             arguments=data["arguments"],
@@ -436,6 +464,7 @@ class DispatchApi(APIView):
                 "not_found",
                 "invalid_state",
                 "lease_lost",
+                "lease_not_yours",
                 "reconcile_required",
                 "dispatch_too_early",
             ),
@@ -445,7 +474,7 @@ class DispatchApi(APIView):
         data = _input(DispatchInputSerializer, request)
         dispatch = remote.remote_toolcall_dispatch(
             tool_call_id=tool_call_id,
-            fence=data["fence"],
+            **_lease(data),
             actor=actor_for(request),
             precondition=data["precondition"],
         )
@@ -488,6 +517,7 @@ class SendCheckApi(APIView):
                 "not_found",
                 "invalid_state",
                 "lease_lost",
+                "lease_not_yours",
                 "send_deadline_passed",
             ),
         },
@@ -496,7 +526,7 @@ class SendCheckApi(APIView):
         data = _input(SendCheckInputSerializer, request)
         clearance = remote.remote_toolcall_send_check(
             tool_call_id=tool_call_id,
-            fence=data["fence"],
+            **_lease(data),
             attempt=data["attempt"],
             actor=actor_for(request),
         )
@@ -530,13 +560,15 @@ class LookupApi(APIView):
         request=FenceSerializer,
         responses={
             201: LookupSerializer,
-            **errors("validation_error", "not_found", "invalid_state", "lease_lost"),
+            **errors(
+                "validation_error", "not_found", "invalid_state", "lease_lost", "lease_not_yours"
+            ),
         },
     )
     def post(self, request, tool_call_id):
         data = _input(FenceSerializer, request)
         begun = remote.remote_toolcall_lookup_begin(
-            tool_call_id=tool_call_id, fence=data["fence"], actor=actor_for(request)
+            tool_call_id=tool_call_id, **_lease(data), actor=actor_for(request)
         )
         return Response(LookupSerializer(begun).data, status=status.HTTP_201_CREATED)
 
@@ -600,6 +632,7 @@ class ReceiptApi(APIView):
                 "not_found",
                 "invalid_state",
                 "lease_lost",
+                "lease_not_yours",
                 "lookup_too_early",
                 "lookup_superseded",
             ),
@@ -609,7 +642,7 @@ class ReceiptApi(APIView):
         data = _input(ReceiptInputSerializer, request)
         remote.remote_toolcall_receipt(
             tool_call_id=tool_call_id,
-            fence=data["fence"],
+            **_lease(data),
             actor=actor_for(request),
             outcome=data["outcome"],
             source=data["source"],
@@ -642,14 +675,16 @@ class FinishApi(APIView):
         request=FinishInputSerializer,
         responses={
             200: RunSerializer,
-            **errors("validation_error", "not_found", "invalid_state", "lease_lost"),
+            **errors(
+                "validation_error", "not_found", "invalid_state", "lease_lost", "lease_not_yours"
+            ),
         },
     )
     def post(self, request, run_id):
         data = _input(FinishInputSerializer, request)
         run = remote.remote_run_finish(
             run_id=run_id,
-            fence=data["fence"],
+            **_lease(data),
             actor=actor_for(request),
             status=data["status"],
             result=data["result"],
@@ -834,7 +869,12 @@ class WaitApi(APIView):
                 "as it stands now.",
             ),
             **errors(
-                "validation_error", "not_found", "invalid_state", "lease_lost", "budget_exhausted"
+                "validation_error",
+                "not_found",
+                "invalid_state",
+                "lease_lost",
+                "lease_not_yours",
+                "budget_exhausted",
             ),
         },
     )
@@ -844,7 +884,7 @@ class WaitApi(APIView):
         data = _input(serializer, request)
         begun = remote.remote_wait_begin(
             run_id=run_id,
-            fence=data["fence"],
+            **_lease(data),
             actor=actor_for(request),
             action=_wait_action(data),
             seq=data.get("seq"),
@@ -983,6 +1023,20 @@ class ManifestInputSerializer(serializers.Serializer):
         required=False,
         help_text='{"<from version>": {"to": "<version>", "description": "..."}}: which older '
         "versions' runs this version may take over.",
+    )
+    owner = serializers.CharField(
+        required=False,
+        allow_null=True,
+        max_length=150,
+        help_text="The username whose API tokens lease and drive this agent's runs (a service "
+        "account in the agent role). null: nobody. Left out of an update: unchanged.",
+    )
+    question_groups = serializers.ListField(
+        child=serializers.CharField(max_length=150),
+        required=False,
+        max_length=20,
+        help_text="The groups its runs may ask questions (POST /runs/{id}/waits/, kind "
+        "question). Default: none.",
     )
 
 

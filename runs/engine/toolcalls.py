@@ -221,11 +221,14 @@ class _NotSent(Exception):
     """The pre-send check refused: the request did not leave."""
 
 
-def presend_row(call_id: Any, *, fence: int, attempt: int) -> tuple[Any, ...] | None:
+def presend_row(
+    call_id: Any, *, fence: int, attempt: int, holder: dict[str, Any] | None = None
+) -> tuple[Any, ...] | None:
     """The pre-send check's ONE query (hosted workers and remote agents' ``send-check``):
     (dispatched_at, send_deadline, landing_deadline, the database's time) while the run is
     running under ``fence`` and the call is still that fence's dispatch ``attempt`` before
-    its send deadline; None otherwise."""
+    its send deadline; None otherwise. ``holder``: further conditions on the run a remote
+    lease's holder must meet (its token's hash, its principal), checked in that same query."""
     return (
         ToolCall.objects.filter(
             id=call_id,
@@ -235,6 +238,7 @@ def presend_row(call_id: Any, *, fence: int, attempt: int) -> tuple[Any, ...] | 
             run__fence=fence,
             run__status=Run.Status.RUNNING,
             send_deadline__gt=Now(),
+            **{f"run__{name}": value for name, value in (holder or {}).items()},
         )
         .annotate(checked_at=Now())
         .values_list("dispatched_at", "send_deadline", "landing_deadline", "checked_at")

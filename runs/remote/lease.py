@@ -5,6 +5,8 @@ released, and expired by the sweeper (``remote_leases_expire``)."""
 
 from __future__ import annotations
 
+import hmac
+import secrets
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -15,20 +17,28 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from runs import engine
-from runs.actors import Actor
+from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
 from runs.events import LeaseLost, RunNotFound, checkpoint
-from runs.models import Run, Step, ToolCall
+from runs.models import AgentManifest, Run, Step, ToolCall
 from runs.registry import Effect, Tool, UnknownTool, registry
 from runs.remote.manifest import is_remote
 from runs.remote.resume import resume_packet
 from runs.services import BudgetExhausted, InvalidState
+from runs.tokens import token_hash
 
 WAITING_FOR_PROCESS = "waiting for an agent process"
 
 
 class LeaseHeld(InvalidState):
     code = "lease_held"
+
+
+class LeaseNotYours(Exception):
+    """A fenced write whose lease token (or principal) is not the current claim's: someone
+    who learned the fence (every viewer sees it in the run's events) is not its holder."""
+
+    code = "lease_not_yours"
 
 
 @dataclass
@@ -59,7 +69,10 @@ def _owner(actor: Actor, owner: str) -> str:
     return f"{actor.label}#{owner}"[:200] if owner else actor.label[:200]
 
 
-def _require_remote(run_id: Any) -> Run:
+def _require_remote(run_id: Any, actor: Actor) -> Run:
+    """The run, if it is a remote agent's and ``actor`` may drive it (``require_driver``):
+    every request of the protocol starts here."""
+    actor.require(DRIVE_REMOTE_RUN)  # before anything is read: a stranger learns nothing
     run = Run.objects.filter(id=run_id).only("id", "agent_name").first()
     if run is None:
         raise RunNotFound(f"run {run_id} does not exist")
@@ -67,14 +80,74 @@ def _require_remote(run_id: Any) -> Run:
         raise InvalidState(
             f"{run.agent_name} is a hosted agent: its runs are advanced by workers, not leased"
         )
+    actor.require_driver(run.agent_name)
     return run
 
 
-def _held(run_id: Any, fence: int, actor: Actor) -> RemoteLease:
+def _token_matches(run: Run, lease_token: str) -> bool:
+    # constant time: the comparison must not tell a prober how much of a guess was right
+    return bool(run.lease_token_hash) and hmac.compare_digest(
+        run.lease_token_hash, token_hash(lease_token or "")
+    )
+
+
+def holder_conditions(actor: Actor, lease_token: str) -> dict[str, Any]:
+    """``_prove_holder`` and ``require_driver``'s ownership as conditions on the run's row,
+    for a check that must be one query (the pre-send check)."""
+    user_id = getattr(actor.user, "pk", None)
+    return {
+        "lease_token_hash": token_hash(lease_token or ""),
+        "lease_holder": user_id,
+        "agent_name__in": AgentManifest.objects.filter(owner_id=user_id).values("name"),
+    }
+
+
+def _prove_holder(run: Run, fence: int, actor: Actor, lease_token: str) -> None:
+    """``LeaseNotYours`` unless the caller is the principal the claim of ``fence`` answered
+    and presents its token. A fence that is not the run's current one is left to the
+    caller's ``LeaseLost`` (a zombie of an earlier incarnation is told its lease is gone)."""
+    if run.fence != fence:
+        return
+    if not _token_matches(run, lease_token) or run.lease_holder_id != getattr(
+        actor.user, "pk", None
+    ):
+        raise LeaseNotYours(
+            f"fence {fence} of run {run.id} was claimed by another principal or process: "
+            "present the lease_token the claim returned"
+        )
+
+
+def lease_holder_check(run_id: Any, fence: int, actor: Actor, lease_token: str) -> None:
+    """For the protocol's answers that write nothing (a retried request answered from the
+    record, the pre-send check): the same proof ``_held`` asks for, whatever the run's
+    status now."""
+    run = (
+        Run.objects.filter(id=run_id)
+        .only("id", "fence", "lease_token_hash", "lease_holder")
+        .first()
+    )
+    if run is not None:
+        _prove_holder(run, fence, actor, lease_token)
+
+
+def is_lease_holder(user: Any, run: Run) -> bool:
+    """Whether ``user`` holds ``run``'s live remote lease (the one principal that receives
+    the unmasked arguments of its calls). A hosted run's lease belongs to a worker: False."""
+    return (
+        user is not None
+        and getattr(user, "pk", None) is not None
+        and run.lease_holder_id == user.pk
+        and run.status == Run.Status.RUNNING
+        and run.lease_expires_at is not None
+        and run.lease_expires_at > db_now()
+    )
+
+
+def _held(run_id: Any, fence: int, actor: Actor, lease_token: str) -> RemoteLease:
     """The caller's lease, rebuilt from the record; ``LeaseLost`` unless ``fence`` is the
-    current incarnation's and its lease is live."""
-    actor.require("runs.operate_run")
-    _require_remote(run_id)
+    current incarnation's and its lease is live, ``LeaseNotYours`` unless the caller is the
+    principal that claimed it and presents the claim's token."""
+    _require_remote(run_id, actor)
     run = (
         Run.objects.select_related("principal")
         .filter(id=run_id, fence=fence, status=Run.Status.RUNNING, lease_expires_at__gt=Now())
@@ -82,10 +155,12 @@ def _held(run_id: Any, fence: int, actor: Actor) -> RemoteLease:
     )
     if run is None:
         raise LeaseLost(f"fence {fence} does not hold run {run_id}'s lease; claim it again")
+    _prove_holder(run, fence, actor, lease_token)
     return RemoteLease(
         run=run,
         fence=fence,
-        worker=run.lease_owner or actor.label,
+        # events name who wrote (the holder's principal), with the process name it claimed as
+        worker=_owner(actor, run.lease_owner.partition("#")[2]),
         recovered=False,
         agent=registry.agent(run.agent_name),
         steps=list(Step.objects.filter(run_id=run_id).order_by("seq")),
@@ -173,6 +248,8 @@ class LeaseGrant:
     fence: int
     lease_expires_at: datetime
     resume: dict[str, Any]
+    # shown once, here; the record keeps only its hash
+    lease_token: str
 
     @property
     def lease_ttl_seconds(self) -> float:
@@ -183,9 +260,23 @@ def remote_lease_acquire(*, run_id: Any, actor: Actor, owner: str = "") -> Lease
     """Claim a remote run's lease with the engine's compare-and-set. ``LeaseHeld`` when
     another process holds a live lease; ``InvalidState`` when the run is not runnable. The
     resume checks of DESIGN §5 run here, before the process decides anything."""
-    actor.require("runs.operate_run")
-    _require_remote(run_id)
-    lease = engine.claim(run_id, worker=_owner(actor, owner), remote=True, lease_type=RemoteLease)
+    _require_remote(run_id, actor)
+    lease_token = secrets.token_urlsafe(32)
+
+    def bind_to_caller(run: Run, recovered: bool) -> None:
+        # in the claim's own transaction, on the row its UPDATE locked: no moment exists
+        # in which the new fence is current with an earlier holder's token
+        Run.objects.filter(id=run.id, fence=run.fence).update(
+            lease_token_hash=token_hash(lease_token), lease_holder=actor.user
+        )
+
+    lease = engine.claim(
+        run_id,
+        worker=_owner(actor, owner),
+        remote=True,
+        lease_type=RemoteLease,
+        on_claimed=bind_to_caller,
+    )
     if lease is None:
         run = Run.objects.get(id=run_id)
         if run.status == Run.Status.RUNNING and run.lease_expires_at is not None:
@@ -237,22 +328,26 @@ def remote_lease_acquire(*, run_id: Any, actor: Actor, owner: str = "") -> Lease
             for source, target, _fn in lease.agent.migration_path(migrated_from) or []
         ]
     return LeaseGrant(
-        run_id=run.id, fence=run.fence, lease_expires_at=run.lease_expires_at, resume=packet
+        run_id=run.id,
+        fence=run.fence,
+        lease_expires_at=run.lease_expires_at,
+        resume=packet,
+        lease_token=lease_token,
     )
 
 
-def remote_lease_heartbeat(*, run_id: Any, fence: int, actor: Actor) -> Run:
+def remote_lease_heartbeat(*, run_id: Any, fence: int, lease_token: str, actor: Actor) -> Run:
     """Extend the lease by its TTL. Pause and terminate requests are reported
     (``requested_action``), to be honoured after any call in flight has its receipt."""
-    lease = _held(run_id, fence, actor)
+    lease = _held(run_id, fence, actor, lease_token)
     with lease.checkpoint() as cp:
         cp.update(lease_expires_at=engine.lease_expiry_expression())
     return Run.objects.get(id=run_id)
 
 
-def remote_lease_release(*, run_id: Any, fence: int, actor: Actor) -> Run:
+def remote_lease_release(*, run_id: Any, fence: int, lease_token: str, actor: Actor) -> Run:
     """Give the lease back; the run waits (``queued``) for an agent process."""
-    lease = _held(run_id, fence, actor)
+    lease = _held(run_id, fence, actor, lease_token)
     if not engine._honour_request(lease):
         engine._release(lease)
     return Run.objects.get(id=run_id)

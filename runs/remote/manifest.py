@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jsonschema
+from django.contrib.auth import get_user_model
 from django.contrib.auth.models import Group
 from django.db import transaction
 
@@ -323,7 +324,14 @@ def manifest_validate(data: Any) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ManifestInvalid({"non_field_errors": ["the manifest must be a JSON object"]})
     problems: dict[str, list[str]] = {}
-    unknown = set(data) - {"version", "input_schema", "tools", "migrations"}
+    unknown = set(data) - {
+        "version",
+        "input_schema",
+        "tools",
+        "migrations",
+        "owner",
+        "question_groups",
+    }
     if unknown:
         problems["non_field_errors"] = [f"unknown keys: {', '.join(sorted(unknown))}"]
     version = data.get("version")
@@ -354,14 +362,36 @@ def manifest_validate(data: Any) -> dict[str, Any]:
         for hop in migrations.values()
     ):
         problems["migrations"] = ['{"<from version>": {"to": "<version>", "description": "..."}}']
+    owner = data.get("owner")
+    if owner is not None and not (
+        isinstance(owner, str) and get_user_model().objects.filter(username=owner).exists()
+    ):
+        problems["owner"] = ["the username of an existing user (or null: nobody drives its runs)"]
+    question_groups = data.get("question_groups", [])
+    if not (
+        isinstance(question_groups, list)
+        and all(isinstance(name, str) for name in question_groups)
+        and len(question_groups) <= 20
+    ):
+        problems["question_groups"] = ["a list of at most 20 group names"]
+    else:
+        missing = set(question_groups) - set(
+            Group.objects.filter(name__in=question_groups).values_list("name", flat=True)
+        )
+        if missing:
+            problems["question_groups"] = [f"no such group: {', '.join(sorted(missing))}"]
     if problems:
         raise ManifestInvalid(problems)
-    return {
+    valid = {
         "version": version,
         "input_schema": data.get("input_schema") or {"type": "object"},
         "tools": tools,
         "migrations": migrations,
+        "question_groups": sorted(set(question_groups)),
     }
+    if "owner" in data:  # absent: an update keeps the owner it had
+        valid["owner"] = owner
+    return valid
 
 
 def _has_null_character(value: Any) -> bool:
@@ -382,6 +412,8 @@ def _manifest_data(manifest: AgentManifest | None) -> dict[str, Any] | None:
         "input_schema": manifest.input_schema,
         "tools": manifest.tools,
         "migrations": manifest.migrations,
+        "question_groups": manifest.question_groups,
+        "owner": manifest.owner.get_username() if manifest.owner else None,
     }
 
 
@@ -420,9 +452,17 @@ def agent_manifest_put(
         row.input_schema = data["input_schema"]
         row.tools = data["tools"]
         row.migrations = data["migrations"]
+        # who drives the agent and whom it may ask are grants: only an admin gives them
+        # (this function is admins only), and the audit entry records the change
+        row.question_groups = data["question_groups"]
+        if "owner" in data:
+            row.owner = (
+                get_user_model().objects.get(username=data["owner"]) if data["owner"] else None
+            )
         row.registered_by = actor.label
         row.save()
-        if before != data:
+        after = _manifest_data(row)
+        if before != after:
             audit_record(
                 action="agent.registered" if existing is None else "agent.updated",
                 actor=actor.label,
@@ -431,6 +471,6 @@ def agent_manifest_put(
                 object_type="agent",
                 object_id=name,
                 before=before,
-                after=data,
+                after=after,
             )
     return row, existing is None

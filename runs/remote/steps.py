@@ -14,7 +14,14 @@ from runs import engine
 from runs.actors import Actor
 from runs.models import Run, Step
 from runs.registry import digest
-from runs.remote.lease import RemoteLease, _check_budget, _held, _honour_request, _require_remote
+from runs.remote.lease import (
+    RemoteLease,
+    _check_budget,
+    _held,
+    _honour_request,
+    _require_remote,
+    lease_holder_check,
+)
 from runs.services import InvalidInput, InvalidState
 
 DECISION = Step.Kind.DECISION  # the Step kind of a remote agent's own checkpointed decision
@@ -46,6 +53,7 @@ def remote_step_record(
     *,
     run_id: Any,
     fence: int,
+    lease_token: str,
     actor: Actor,
     input: Any = None,
     output: Any = None,
@@ -63,8 +71,8 @@ def remote_step_record(
     new step (two identical decisions in a row may be meant)."""
     input = input if input is not None else {}
     if seq is not None:
-        actor.require("runs.operate_run")
-        _require_remote(run_id)
+        _require_remote(run_id, actor)
+        lease_holder_check(run_id, fence, actor, lease_token)
         replayed = _replayed_step(
             run_id,
             fence,
@@ -76,7 +84,7 @@ def remote_step_record(
         )
         if replayed is not None:
             return StepRecorded(replayed, True)
-    lease = _held(run_id, fence, actor)
+    lease = _held(run_id, fence, actor, lease_token)
     _honour_request(lease)
     if lease.open_step() is not None:
         raise InvalidState("a tool call step is still open: record its receipt first")
@@ -113,6 +121,7 @@ def remote_run_finish(
     *,
     run_id: Any,
     fence: int,
+    lease_token: str,
     actor: Actor,
     status: str = Run.Status.SUCCEEDED,
     result: Any = None,
@@ -124,7 +133,7 @@ def remote_run_finish(
         raise InvalidInput("status must be succeeded or failed")
     if status == Run.Status.FAILED and not (reason or "").strip():
         raise InvalidInput("a failed run needs a reason")
-    lease = _held(run_id, fence, actor)
+    lease = _held(run_id, fence, actor, lease_token)
     _honour_request(lease)
     if lease.open_step() is not None:
         raise InvalidState("a tool call step is still open: record its receipt first")

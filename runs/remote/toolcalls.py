@@ -14,7 +14,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from runs import engine
-from runs.actors import Actor
+from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
 from runs.events import LeaseLost
 from runs.models import Run, Step, ToolCall, ToolReceipt
@@ -25,6 +25,9 @@ from runs.remote.lease import (
     _held,
     _honour_request,
     _needs_person,
+    _prove_holder,
+    holder_conditions,
+    lease_holder_check,
 )
 from runs.remote.manifest import SEP, _reported_fingerprint
 from runs.services import InvalidInput, InvalidState
@@ -150,6 +153,7 @@ def remote_toolcall_propose(
     *,
     run_id: Any,
     fence: int,
+    lease_token: str,
     actor: Actor,
     tool: str,
     arguments: Any,
@@ -167,9 +171,10 @@ def remote_toolcall_propose(
     if not isinstance(arguments, dict):
         raise InvalidInput("arguments must be a JSON object")
     try:
-        lease = _held(run_id, fence, actor)
+        lease = _held(run_id, fence, actor, lease_token)
     except LeaseLost:
         # the first attempt may have released the lease itself (an approval is needed)
+        lease_holder_check(run_id, fence, actor, lease_token)
         replayed = _replayed_proposal(run_id, fence, tool, arguments, statuses=_PARKED_BY_PROPOSE)
         if replayed is None:
             raise
@@ -207,11 +212,13 @@ class Dispatch:
     timeout: float | None = None
 
 
-def _call_for_lease(tool_call_id: Any, fence: int, actor: Actor) -> tuple[RemoteLease, ToolCall]:
+def _call_for_lease(
+    tool_call_id: Any, fence: int, actor: Actor, lease_token: str
+) -> tuple[RemoteLease, ToolCall]:
     call = ToolCall.objects.select_related("step").filter(id=tool_call_id).first()
     if call is None:
         raise ToolCall.DoesNotExist(f"tool call {tool_call_id} does not exist")
-    lease = _held(call.run_id, fence, actor)
+    lease = _held(call.run_id, fence, actor, lease_token)
     return lease, call
 
 
@@ -273,7 +280,7 @@ def _check_redispatch(lease: RemoteLease, call: ToolCall, tool: Tool) -> None:
 
 
 def remote_toolcall_dispatch(
-    *, tool_call_id: Any, fence: int, actor: Actor, precondition: str = ""
+    *, tool_call_id: Any, fence: int, lease_token: str, actor: Actor, precondition: str = ""
 ) -> Dispatch:
     """``dispatching`` through the engine's own ``_dispatch``: attempt incremented, the
     approval consumed, the precondition re-checked, in one commit before the side effect;
@@ -286,7 +293,7 @@ def remote_toolcall_dispatch(
     decided under the run row's lock, which every checkpoint takes first, so a concurrent
     repeat waits for the first to commit and then reads what it recorded. An unknown outcome
     is dispatched again only as ``_check_redispatch`` allows."""
-    lease, call = _call_for_lease(tool_call_id, fence, actor)
+    lease, call = _call_for_lease(tool_call_id, fence, actor, lease_token)
     _honour_request(lease)
     step = lease.open_step()
     if step is None or step.id != call.step_id:
@@ -349,7 +356,7 @@ class SendClearance:
 
 
 def remote_toolcall_send_check(
-    *, tool_call_id: Any, fence: int, attempt: int, actor: Actor
+    *, tool_call_id: Any, fence: int, lease_token: str, attempt: int, actor: Actor
 ) -> SendClearance:
     """DESIGN §9 for remote agents: immediately before its tool call the agent asks, and ONE
     query answers, whether ``fence`` still holds the running run, the call is still that
@@ -357,8 +364,11 @@ def remote_toolcall_send_check(
     (``engine.presend_row``, the hosted worker's own check). Refused: ``LeaseLost`` (another
     process took over, the lease was released), ``SendDeadlinePassed``, or ``InvalidState``
     (the call is no longer that dispatch) — and the agent must not send. Writes nothing."""
-    actor.require("runs.operate_run")
-    row = engine.presend_row(tool_call_id, fence=fence, attempt=attempt)
+    actor.require(DRIVE_REMOTE_RUN)
+    # the holder's proof and the ownership are part of the one query: a clearance is only given to the holder
+    row = engine.presend_row(
+        tool_call_id, fence=fence, attempt=attempt, holder=holder_conditions(actor, lease_token)
+    )
     if row is not None:
         dispatched_at, send_deadline, landing_deadline, checked_at = row
         return SendClearance(
@@ -375,6 +385,8 @@ def remote_toolcall_send_check(
     if call is None:
         raise ToolCall.DoesNotExist(f"tool call {tool_call_id} does not exist")
     run = call.run
+    actor.require_driver(run.agent_name)
+    _prove_holder(run, fence, actor, lease_token)
     if run.fence != fence or run.status != Run.Status.RUNNING:
         raise LeaseLost(
             f"fence {fence} does not hold run {run.id}'s lease: do not send; stop advancing it"
@@ -413,13 +425,15 @@ class LookupBegun:
         return self.resend_after is None or self.started_at >= self.resend_after
 
 
-def remote_toolcall_lookup_begin(*, tool_call_id: Any, fence: int, actor: Actor) -> LookupBegun:
+def remote_toolcall_lookup_begin(
+    *, tool_call_id: Any, fence: int, lease_token: str, actor: Actor
+) -> LookupBegun:
     """Record, in database time, that a reconciliation lookup of the call by its key is
     beginning — before the agent sends it. Its ``absent`` (a receipt naming ``number``)
     allows a re-send only if it began after the landing deadline (``resend_after``) and is
     still the latest lookup begun: a lookup that began earlier may have looked before the
     original request landed."""
-    lease, call = _call_for_lease(tool_call_id, fence, actor)
+    lease, call = _call_for_lease(tool_call_id, fence, actor, lease_token)
     if call.status not in (ToolCall.Status.UNKNOWN, ToolCall.Status.DISPATCHING):
         raise InvalidState(f"the call is {call.status}: there is nothing to reconcile")
     tool = _tool_of(call)
@@ -453,6 +467,7 @@ def remote_toolcall_receipt(
     *,
     tool_call_id: Any,
     fence: int,
+    lease_token: str,
     actor: Actor,
     outcome: str,
     result: Any = None,
@@ -487,7 +502,7 @@ def remote_toolcall_receipt(
             "an absent must name its lookup: begin one with POST /tool-calls/{id}/lookups/ "
             "before looking the key up, and send its number as lookup"
         )
-    lease, call = _call_for_lease(tool_call_id, fence, actor)
+    lease, call = _call_for_lease(tool_call_id, fence, actor, lease_token)
     receipt = getattr(call, "receipt", None)
     if receipt is not None:
         if receipt.outcome == outcome and receipt.source == source:

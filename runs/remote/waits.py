@@ -22,6 +22,7 @@ from runs.remote.lease import (
     _held,
     _honour_request,
     _require_remote,
+    lease_holder_check,
 )
 from runs.remote.resume import wait_outcomes
 from runs.remote.steps import _next_seq, _replayed_step
@@ -67,6 +68,7 @@ def remote_wait_begin(
     *,
     run_id: Any,
     fence: int,
+    lease_token: str,
     actor: Actor,
     action: WaitForSignal | Sleep | AskQuestion,
     seq: int | None = None,
@@ -84,8 +86,8 @@ def remote_wait_begin(
     if not isinstance(action, WaitForSignal | Sleep | AskQuestion):
         raise InvalidInput("a wait is a signal, a timer or a question")
     if seq is not None:
-        actor.require("runs.operate_run")
-        _require_remote(run_id)
+        _require_remote(run_id, actor)
+        lease_holder_check(run_id, fence, actor, lease_token)
         replayed = _replayed_step(
             run_id, fence, seq, Step.Kind.WAIT, lambda step: _same_wait(step, action)
         )
@@ -94,7 +96,9 @@ def remote_wait_begin(
     error = waits.validate(action)
     if error:
         raise InvalidInput(error)
-    lease = _held(run_id, fence, actor)
+    lease = _held(run_id, fence, actor, lease_token)
+    if isinstance(action, AskQuestion):
+        actor.require_question_to(lease.run.agent_name, action.group)
     _honour_request(lease)
     if lease.open_step() is not None:
         raise InvalidState("a tool call is still open: record its receipt before waiting")

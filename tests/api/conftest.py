@@ -55,6 +55,11 @@ def as_viewer(roles, viewer) -> APIClient:
 
 
 @pytest.fixture
+def as_robot(roles, robot) -> APIClient:
+    return client_for(robot)
+
+
+@pytest.fixture
 def as_approver(roles, approver) -> APIClient:
     return client_for(approver)
 

@@ -45,11 +45,18 @@ MANIFEST: dict[str, Any] = {
         {"name": "lookup", "effect": "read"},
         {"name": "charge", "effect": "idempotent", "precondition": True},
     ],
+    "question_groups": ["operator"],
 }
 
 
-def register_remote(admin, name: str = "pay_bot", manifest: dict | None = None) -> None:
-    agent_manifest_put(name=name, manifest=manifest or MANIFEST, actor=Actor.for_user(admin, "cli"))
+def register_remote(
+    admin, name: str = "pay_bot", manifest: dict | None = None, *, owner=None
+) -> None:
+    """Register the manifest; ``owner`` (a user in the agent role) may drive its runs."""
+    manifest = {**(manifest or MANIFEST)}
+    if owner is not None:
+        manifest["owner"] = owner.get_username()
+    agent_manifest_put(name=name, manifest=manifest, actor=Actor.for_user(admin, "cli"))
 
 
 def remote_run(principal, agent: str = "pay_bot", **input) -> Run:
@@ -61,23 +68,26 @@ def remote_run(principal, agent: str = "pay_bot", **input) -> Run:
 
 
 class Agent:
-    """One agent process's view: its client and the fence it holds."""
+    """One agent process's view: its client, and the fence and lease token it holds."""
 
     def __init__(self, client: APIClient, run_id: Any) -> None:
         self.client = client
         self.run_id = str(run_id)
         self.fence: int | None = None
+        self.lease_token: str | None = None
         self.resume: dict[str, Any] = {}
 
     def lease(self, **body) -> Any:
         response = self.client.post(f"/api/v1/runs/{self.run_id}/lease/", body)
         if response.status_code == 200:
             self.fence = response.json()["fence"]
+            self.lease_token = response.json()["lease_token"]
             self.resume = response.json()["resume"]
         return response
 
     def post(self, path: str, body: dict | None = None) -> Any:
-        return self.client.post(f"/api/v1/{path}", {"fence": self.fence, **(body or {})})
+        proof = {"fence": self.fence, "lease_token": self.lease_token}
+        return self.client.post(f"/api/v1/{path}", {**proof, **(body or {})})
 
     def run_post(self, what: str, body: dict | None = None) -> Any:
         return self.post(f"runs/{self.run_id}/{what}/", body)

@@ -67,6 +67,34 @@ def test_put_registers_then_updates_and_is_audited(as_admin):
     assert entries[1].actor == "token:token-ada" and entries[1].channel == "api"
 
 
+def test_the_owner_and_question_groups_are_an_admins_audited_grant(as_admin, robot, as_robot):
+    """Who drives the agent, and whom its runs may ask, are named by an admin; the change is
+    in the audit log; the agent itself cannot change them (nor anything of its manifest)."""
+    manifest = {**MANIFEST, "owner": "robby", "question_groups": ["operator"]}
+    assert as_admin.put("/api/v1/agents/pay_bot/", manifest, format="json").status_code == 201
+    stored = AgentManifest.objects.get(name="pay_bot")
+    assert (stored.owner, stored.question_groups) == (robot, ["operator"])
+
+    wider = {**manifest, "owner": "robby", "question_groups": ["operator", "approver"]}
+    refused = as_robot.put("/api/v1/agents/pay_bot/", wider, format="json")
+    assert_error(refused, 403, "permission_denied")
+    assert AgentManifest.objects.get(name="pay_bot").question_groups == ["operator"]
+
+    # an update that leaves the owner out keeps it; null removes it
+    narrower = {**MANIFEST, "question_groups": []}
+    assert as_admin.put("/api/v1/agents/pay_bot/", narrower, format="json").status_code == 200
+    assert AgentManifest.objects.get(name="pay_bot").owner == robot
+    cleared = {**MANIFEST, "owner": None}
+    assert as_admin.put("/api/v1/agents/pay_bot/", cleared, format="json").status_code == 200
+    assert AgentManifest.objects.get(name="pay_bot").owner is None
+
+    entries = list(AuditEntry.objects.filter(object_id="pay_bot").order_by("id"))
+    assert [e.action for e in entries] == ["agent.registered", "agent.updated", "agent.updated"]
+    assert entries[0].after["owner"] == "robby"
+    assert entries[1].after["question_groups"] == [] and entries[1].after["owner"] == "robby"
+    assert entries[2].before["owner"] == "robby" and entries[2].after["owner"] is None
+
+
 def test_put_is_for_admins_only(as_operator, anonymous):
     assert_error(as_operator.put("/api/v1/agents/pay_bot/", MANIFEST), 403, "permission_denied")
     assert_error(anonymous.put("/api/v1/agents/pay_bot/", MANIFEST), 401, "not_authenticated")
@@ -87,6 +115,10 @@ def test_put_is_for_admins_only(as_operator, anonymous):
         (lambda m: m["tools"][1].update(name="a/b"), "tools.1"),
         (lambda m: m.update(migrations={"1": "2"}), "migrations"),
         (lambda m: m.update(extra=True), "non_field_errors"),
+        (lambda m: m.update(owner="nobody"), "owner"),
+        (lambda m: m.update(owner=7), "owner"),
+        (lambda m: m.update(question_groups=["nobody"]), "question_groups"),
+        (lambda m: m.update(question_groups="operator"), "question_groups"),
     ],
 )
 def test_put_validates_the_manifest(as_admin, change, field):
@@ -113,8 +145,10 @@ def test_runs_of_a_remote_agent_are_created_and_checked_against_its_input_schema
     assert_error(bad, 400, "validation_error")
 
 
-def test_new_version_with_a_migration_hop_takes_over_older_runs(as_operator, admin, as_admin):
-    register_remote(admin)
+def test_new_version_with_a_migration_hop_takes_over_older_runs(
+    as_operator, admin, as_admin, robot, as_robot
+):
+    register_remote(admin, owner=robot)
     run_id = as_operator.post(
         "/api/v1/runs/", {"agent": "pay_bot", "input": {"order_id": "o"}}
     ).json()["id"]
@@ -123,20 +157,20 @@ def test_new_version_with_a_migration_hop_takes_over_older_runs(as_operator, adm
     manifest["migrations"] = {"1": {"to": "2", "description": "adds totals"}}
     as_admin.put("/api/v1/agents/pay_bot/", manifest)
 
-    lease = as_operator.post(f"/api/v1/runs/{run_id}/lease/").json()
+    lease = as_robot.post(f"/api/v1/runs/{run_id}/lease/").json()
 
     assert lease["resume"]["agent_version"] == "2"
     assert lease["resume"]["migrated_from"] == "1"
     assert lease["resume"]["migrations"] == [{"from": "1", "to": "2", "description": "adds totals"}]
 
 
-def test_new_version_without_a_hop_parks_older_runs(as_operator, admin, as_admin):
-    register_remote(admin)
+def test_new_version_without_a_hop_parks_older_runs(as_operator, admin, as_admin, robot, as_robot):
+    register_remote(admin, owner=robot)
     run_id = as_operator.post(
         "/api/v1/runs/", {"agent": "pay_bot", "input": {"order_id": "o"}}
     ).json()["id"]
     as_admin.put("/api/v1/agents/pay_bot/", {**MANIFEST, "version": "3"})
 
-    assert_error(as_operator.post(f"/api/v1/runs/{run_id}/lease/"), 409, "invalid_state")
+    assert_error(as_robot.post(f"/api/v1/runs/{run_id}/lease/"), 409, "invalid_state")
     run = Run.objects.get(id=run_id)
     assert (run.status, run.reason_code) == ("needs_attention", "incompatible_agent_version")

@@ -68,10 +68,12 @@ class AgentProcess:
 
 
 @pytest.fixture
-def agent_token(operator, django_user_model):
+def agent_token(robot, django_user_model):
+    """A token of the agent's owner, a service account in the agent role."""
     admin = django_user_model.objects.create_superuser("root", password="x")
-    agent_manifest_put(name=NAME, manifest=MANIFEST, actor=Actor.for_user(admin, "cli"))
-    return token_for(operator, "refunder")
+    manifest = {**MANIFEST, "owner": robot.username}
+    agent_manifest_put(name=NAME, manifest=manifest, actor=Actor.for_user(admin, "cli"))
+    return token_for(robot, "refunder")
 
 
 def test_killed_agent_is_taken_over_and_refunds_exactly_once(

@@ -230,13 +230,14 @@ def test_schema_links_create_to_retrieve_and_act(openapi):
     }
     assert {"PauseRun", "TerminateRun", "LeaseRun", "SignalRun"} <= set(created)
     leased = openapi["paths"]["/api/v1/runs/{run_id}/lease/"]["post"]["responses"]["200"]["links"]
-    assert leased["ProposeToolCall"]["requestBody"] == {"fence": "$response.body#/fence"}
+    proof = {"fence": "$response.body#/fence", "lease_token": "$response.body#/lease_token"}
+    assert leased["ProposeToolCall"]["requestBody"] == proof
     proposed = openapi["paths"]["/api/v1/runs/{run_id}/tool-calls/"]["post"]["responses"]["201"]
     assert proposed["links"]["DispatchToolCall"]["operationId"] == "v1_tool_calls_dispatch_create"
     assert leased["BeginWait"] == {
         "operationId": "v1_runs_waits_create",
         "parameters": {"run_id": "$response.body#/run"},
-        "requestBody": {"fence": "$response.body#/fence"},
+        "requestBody": proof,
     }
 
 

@@ -73,9 +73,9 @@ def hooked(operator, receiver) -> ApiToken:
 
 
 @pytest.fixture
-def leased(admin, operator, as_operator) -> Agent:
-    register_remote(admin)
-    agent = Agent(as_operator, remote_run(operator).id)
+def leased(admin, operator, robot, as_robot) -> Agent:
+    register_remote(admin, owner=robot)
+    agent = Agent(as_robot, remote_run(operator).id)
     assert agent.lease().status_code == 200
     return agent
 
@@ -150,7 +150,7 @@ def test_needs_attention(hooked, leased, operator):
 
 def test_a_rolled_back_event_gets_no_delivery(hooked, leased):
     stale = Agent(leased.client, leased.run_id)
-    stale.fence = leased.fence + 1
+    stale.fence, stale.lease_token = leased.fence + 1, leased.lease_token
     stale.run_post("finish", {"result": {}})  # lease_lost: nothing written
     assert not WebhookDelivery.objects.exists()
 
@@ -161,6 +161,20 @@ def test_only_the_runs_principal_tokens_hear(hooked, leased, approver):
     )
     leased.run_post("finish", {"result": {}})
     assert list(WebhookDelivery.objects.values_list("token__name", flat=True)) == ["hooks"]
+
+
+def test_the_agents_owner_hears_the_runs_it_drives(hooked, leased, robot, approver):
+    """The service account that owns a remote agent learns when to lease its runs again
+    (approval decided, wait ended), though someone else started them."""
+    api_token_create(
+        name="agent", principal=robot, actor=Actor.system("cli"), webhook_url=hooked.webhook_url
+    )
+    api_token_create(
+        name="other", principal=approver, actor=Actor.system("cli"), webhook_url=hooked.webhook_url
+    )
+    leased.run_post("finish", {"result": {}})
+    heard = WebhookDelivery.objects.values_list("token__name", flat=True)
+    assert sorted(heard) == ["agent", "hooks"]
 
 
 def test_revoked_tokens_hear_nothing(hooked, leased):

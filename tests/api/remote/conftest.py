@@ -11,14 +11,15 @@ from tests.api.remote_support import Agent, register_remote, remote_run
 
 
 @pytest.fixture
-def run(admin, operator) -> Run:
-    register_remote(admin)
+def run(admin, operator, robot) -> Run:
+    register_remote(admin, owner=robot)
     return remote_run(operator)
 
 
 @pytest.fixture
-def agent(run, as_operator) -> Agent:
-    return Agent(as_operator, run.id)
+def agent(run, as_robot) -> Agent:
+    """The agent process: a token of the service account that owns the agent."""
+    return Agent(as_robot, run.id)
 
 
 @pytest.fixture

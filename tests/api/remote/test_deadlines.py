@@ -22,7 +22,7 @@ from agentops.client import Client, Found, LeaseLost, ToolContext
 from agentops.wsgi import application
 from approvals.models import Approval
 from runs import remote
-from runs.actors import Actor
+from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.models import Run, ToolCall
 from tests.api.conftest import assert_error, client_for, token_for
 from tests.api.remote_support import REFUND_SCHEMA, Agent, register_remote, remote_run
@@ -45,8 +45,8 @@ MANIFEST: dict[str, Any] = {
 
 
 @pytest.fixture
-def run(admin, operator) -> Run:
-    register_remote(admin, "deadline_bot", MANIFEST)
+def run(admin, operator, robot) -> Run:
+    register_remote(admin, "deadline_bot", MANIFEST, owner=robot)
     return remote_run(operator, "deadline_bot")
 
 
@@ -66,10 +66,10 @@ def _dispatched(agent: Agent, tool: str = "refund", arguments: dict | None = Non
     return agent.dispatch(call["id"]).json()
 
 
-def _taken_over(run: Run, operator) -> Agent:
+def _taken_over(run: Run, robot) -> Agent:
     """The first process froze; its lease expired and a second process claimed the run."""
     expire_lease(run.id)
-    second = Agent(_client(operator), run.id)
+    second = Agent(_client(robot), run.id)
     assert second.lease().status_code == 200
     return second
 
@@ -99,7 +99,7 @@ def test_dispatch_answers_deadlines_and_a_repeat_the_original(run, leased):
 
 
 def test_send_check_clears_the_current_dispatch_in_one_query(
-    run, leased, operator, django_assert_num_queries
+    run, leased, robot, django_assert_num_queries
 ):
     dispatch = _dispatched(leased)
     answer = leased.send_check(dispatch["tool_call"]["id"], dispatch["attempt"])
@@ -109,17 +109,21 @@ def test_send_check_clears_the_current_dispatch_in_one_query(
     assert body["landing_deadline"] == dispatch["landing_deadline"]
     assert 0 < body["send_seconds_left"] <= settings.AGENTOPS["SEND_WINDOW"]
 
-    actor = Actor.for_user(operator, "api")
-    actor.require("runs.operate_run")  # the permission cache, as a request's user has it
+    actor = Actor.for_user(robot, "api")
+    actor.require(DRIVE_REMOTE_RUN)  # the permission cache, as a request's user has it
     with django_assert_num_queries(1):
         remote.remote_toolcall_send_check(
-            tool_call_id=dispatch["tool_call"]["id"], fence=leased.fence, attempt=1, actor=actor
+            tool_call_id=dispatch["tool_call"]["id"],
+            fence=leased.fence,
+            lease_token=leased.lease_token,
+            attempt=1,
+            actor=actor,
         )
 
 
-def test_send_check_refuses_a_paused_agent_whose_lease_was_taken_over(run, leased, operator):
+def test_send_check_refuses_a_paused_agent_whose_lease_was_taken_over(robot, run, leased, operator):
     dispatch = _dispatched(leased)
-    second = _taken_over(run, operator)
+    second = _taken_over(run, robot)
     # the paused process wakes up: it must not send
     refused = leased.send_check(dispatch["tool_call"]["id"], dispatch["attempt"])
     assert_error(refused, 409, "lease_lost")
@@ -154,10 +158,10 @@ def httpx_time(value: str):
 # --- lookups and absent -------------------------------------------------------------------------
 
 
-def test_absent_must_name_its_latest_lookup(run, leased, operator):
+def test_absent_must_name_its_latest_lookup(robot, run, leased, operator):
     dispatch = _dispatched(leased)
     call_id = dispatch["tool_call"]["id"]
-    second = _taken_over(run, operator)
+    second = _taken_over(run, robot)
     rewind(run.id)
 
     missing = second.receipt(call_id, outcome="absent", source="reconciliation")
@@ -176,10 +180,10 @@ def test_absent_must_name_its_latest_lookup(run, leased, operator):
     assert second.dispatch(call_id).json()["attempt"] == 2
 
 
-def test_an_accepted_absent_is_used_up_by_the_next_dispatch(run, leased, operator):
+def test_an_accepted_absent_is_used_up_by_the_next_dispatch(robot, run, leased, operator):
     dispatch = _dispatched(leased)
     call_id = dispatch["tool_call"]["id"]
-    second = _taken_over(run, operator)
+    second = _taken_over(run, robot)
     rewind(run.id)
     lookup = second.lookup(call_id).json()["lookup"]
     second.receipt(call_id, outcome="absent", source="reconciliation", lookup=lookup)
@@ -195,11 +199,11 @@ def test_an_accepted_absent_is_used_up_by_the_next_dispatch(run, leased, operato
 
 
 def test_resend_person_parks_a_valid_absent_and_the_operator_needs_a_fresh_lookup(
-    run, leased, operator
+    robot, run, leased, operator
 ):
     dispatch = _dispatched(leased, "careful_refund", {})
     call_id = dispatch["tool_call"]["id"]
-    second = _taken_over(run, operator)
+    second = _taken_over(run, robot)
     rewind(run.id)
     lookup = second.lookup(call_id).json()["lookup"]
     parked = second.receipt(call_id, outcome="absent", source="reconciliation", lookup=lookup)
@@ -207,7 +211,8 @@ def test_resend_person_parks_a_valid_absent_and_the_operator_needs_a_fresh_looku
     run.refresh_from_db()
     assert run.reason_code == "unknown_outcome" and "resend: person" in run.reason_detail
 
-    resolved = second.client.post(
+    # a person decides, not the agent
+    resolved = client_for(operator).post(
         f"/api/v1/tool-calls/{call_id}/resolution/", {"outcome": "dispatch_again"}
     )
     assert resolved.status_code == 200, resolved.content
@@ -223,15 +228,17 @@ def test_resend_person_parks_a_valid_absent_and_the_operator_needs_a_fresh_looku
     assert third.dispatch(call_id).json()["attempt"] == 2
 
 
-def test_a_tool_without_lookup_waits_for_a_person_and_the_landing_deadline(run, leased, operator):
+def test_a_tool_without_lookup_waits_for_a_person_and_the_landing_deadline(
+    robot, run, leased, operator
+):
     dispatch = _dispatched(leased, "ping", {})
     call_id = dispatch["tool_call"]["id"]
     leased.receipt(call_id, outcome="unknown", result="timed out")
     run.refresh_from_db()
     assert (run.status, run.reason_code) == ("needs_attention", "unknown_outcome")
 
-    second = Agent(_client(operator), run.id)
-    resolved = second.client.post(
+    second = Agent(_client(robot), run.id)
+    resolved = client_for(operator).post(
         f"/api/v1/tool-calls/{call_id}/resolution/", {"outcome": "dispatch_again"}
     )
     assert resolved.status_code == 200, resolved.content
@@ -269,8 +276,8 @@ def as_admin_client(admin):
 # --- concurrent identical dispatches (PostgreSQL: real concurrency) -----------------------------
 
 
-def _race(operator, path: str, body: dict, n: int = 4) -> list[Any]:
-    clients = [_client(operator) for _ in range(n)]
+def _race(robot, path: str, body: dict, n: int = 4) -> list[Any]:
+    clients = [_client(robot) for _ in range(n)]
     barrier = threading.Barrier(n)
     answers: list[Any] = [None] * n
 
@@ -292,7 +299,7 @@ def _race(operator, path: str, body: dict, n: int = 4) -> list[Any]:
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("approved", [False, True], ids=["proposed", "approved"])
 def test_concurrent_identical_dispatches_answer_the_same(
-    run, leased, operator, as_approver, approved
+    robot, run, leased, operator, as_approver, approved
 ):
     if connection.vendor != "postgresql":
         pytest.skip("SQLite serialises writers; the race needs PostgreSQL")
@@ -308,7 +315,8 @@ def test_concurrent_identical_dispatches_answer_the_same(
         assert decided.status_code == 200, decided.content
         assert leased.lease().status_code == 200
 
-    answers = _race(operator, f"/api/v1/tool-calls/{call['id']}/dispatch/", {"fence": leased.fence})
+    proof = {"fence": leased.fence, "lease_token": leased.lease_token}
+    answers = _race(robot, f"/api/v1/tool-calls/{call['id']}/dispatch/", proof)
     assert [a.status_code for a in answers] == [200] * 4, [a.content for a in answers]
     bodies = [a.json() for a in answers]
     assert sorted(b["replayed"] for b in bodies) == [False, True, True, True]
@@ -381,13 +389,13 @@ class SandboxRefund:
 
 
 def test_a_late_landing_request_is_found_by_the_lookup_after_the_window(
-    run, operator, sandbox, in_process, short_windows
+    robot, run, operator, sandbox, in_process, short_windows
 ):
     """Scenario 3: the downstream applies the refund after the tool's timeout. The agent's
     first lookup (inside the landing window) finds nothing; its absent is refused with
     lookup_too_early; the lookup after the window finds the refund: one refund, never two."""
     tool = SandboxRefund(sandbox, latency_ms=1300)
-    with Client("http://testserver", token_for(operator), transport=in_process) as client:
+    with Client("http://testserver", token_for(robot), transport=in_process) as client:
         lease = client.lease(str(run.id))
         proposal = lease.propose("refund", {"order_id": "ord_1001", "amount_cents": 5})
         done = lease.execute(proposal.tool_call_id, tool.call, lookup=tool.lookup)
@@ -400,12 +408,12 @@ def test_a_late_landing_request_is_found_by_the_lookup_after_the_window(
 
 
 def test_an_absent_after_the_window_is_sent_again_with_the_same_key(
-    run, operator, sandbox, in_process, short_windows
+    robot, run, operator, sandbox, in_process, short_windows
 ):
     """The first request never applied (the service failed it ambiguously): the lookup in the
     window is refused, the one after it is accepted, and the same key goes again once."""
     tool = SandboxRefund(sandbox, fault="5xx")
-    with Client("http://testserver", token_for(operator), transport=in_process) as client:
+    with Client("http://testserver", token_for(robot), transport=in_process) as client:
         lease = client.lease(str(run.id))
         proposal = lease.propose("refund", {"order_id": "ord_1001", "amount_cents": 5})
         done = lease.execute(proposal.tool_call_id, tool.call, lookup=tool.lookup)
@@ -419,33 +427,36 @@ def test_an_absent_after_the_window_is_sent_again_with_the_same_key(
 
 
 def test_client_never_sends_once_its_lease_was_taken_over(
-    run, operator, sandbox, in_process, short_windows
+    robot, run, operator, sandbox, in_process, short_windows
 ):
-    with Client("http://testserver", token_for(operator), transport=in_process) as client:
+    with Client("http://testserver", token_for(robot), transport=in_process) as client:
         lease = client.lease(str(run.id))
         proposal = lease.propose("refund", {"order_id": "ord_1001", "amount_cents": 5})
         dispatch = lease.dispatch(proposal.tool_call_id)
         # while this process was frozen, its lease expired and another process claimed it
         expire_lease(run.id)
-        remote.remote_lease_acquire(run_id=run.id, actor=Actor.for_user(operator, "api"))
+        remote.remote_lease_acquire(run_id=run.id, actor=Actor.for_user(robot, "api"))
         with pytest.raises(LeaseLost):
             lease.send_check(dispatch)
     assert refund_posts(sandbox) == []
 
 
-def test_new_answers_conform_to_the_schema(run, leased, operator, in_process):
+def test_new_answers_conform_to_the_schema(robot, run, in_process):
     """Dispatch, the pre-send check, a lookup, and receipts refused with the new codes and
     their fields, checked against the OpenAPI schema (all through the WSGI app: Django's
     test client would reconnect the signal that closes the connection after a request)."""
     api = schemathesis.openapi.from_wsgi("/api/schema/", application)
-    headers = {"Authorization": f"Bearer {token_for(operator, 'schema')}"}
-    fence = {"fence": leased.fence}
+    headers = {"Authorization": f"Bearer {token_for(robot, 'schema')}"}
     base = "/api/v1/tool-calls/{tool_call_id}"
     with httpx.Client(base_url="http://testserver", transport=in_process, headers=headers) as http:
+        # leased once the schema is built: that may take longer than the tests' 3 s lease
+        leased = http.post(f"/api/v1/runs/{run.id}/lease/", json={"owner": "proc-1"}).json()
+        fence = {"fence": leased["fence"], "lease_token": leased["lease_token"]}
         proposed = http.post(
             f"/api/v1/runs/{run.id}/tool-calls/",
             json={**fence, "tool": "refund", "arguments": {"order_id": "o", "amount_cents": 5}},
         )
+        assert proposed.status_code == 201, proposed.content
         call_id = proposed.json()["tool_call"]["id"]
         path = f"/api/v1/tool-calls/{call_id}"
         answers = {

@@ -10,6 +10,7 @@ import pytest
 from runs.models import Run, Step, ToolCall
 from runs.registry import registry
 from runs.remote.manifest import manifest_tool
+from tests.api.conftest import client_for
 from tests.api.remote_support import MANIFEST, Agent, register_remote
 from tests.support import event_types, expire_lease
 
@@ -48,17 +49,17 @@ def test_a_rejection_reaches_the_process_with_its_comment_after_the_manifest_cha
 
 
 def test_an_unsafe_call_resolved_as_happened_completes_after_the_manifest_changed(
-    run, leased, operator, admin
+    robot, run, leased, operator, admin
 ):
     from tests.api.remote.test_protocol import client_for_second
 
     call = leased.propose("notify", {}).json()["tool_call"]
     leased.dispatch(call["id"])
     expire_lease(run.id)
-    second = Agent(client_for_second(operator), run.id)
+    second = Agent(client_for_second(robot), run.id)
     second.lease()  # needs_attention: unknown_outcome
     _deploy(admin, notify={"argument_schema": {"type": "object", "properties": {}}})
-    resolved = second.client.post(
+    resolved = client_for(operator).post(
         f"/api/v1/tool-calls/{call['id']}/resolution/",
         {"outcome": "happened", "external_ref": "msg-1"},
     )

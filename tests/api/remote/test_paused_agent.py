@@ -28,10 +28,11 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("
 
 
 @pytest.fixture
-def agent_token(operator, django_user_model):
+def agent_token(robot, django_user_model):
     admin = django_user_model.objects.create_superuser("root", password="x")
-    agent_manifest_put(name=NAME, manifest=MANIFEST, actor=Actor.for_user(admin, "cli"))
-    return token_for(operator, "refunder")
+    manifest = {**MANIFEST, "owner": robot.username}
+    agent_manifest_put(name=NAME, manifest=manifest, actor=Actor.for_user(admin, "cli"))
+    return token_for(robot, "refunder")
 
 
 def _stopped(proc: subprocess.Popen, timeout: float = 10) -> None:

@@ -37,13 +37,13 @@ def test_lease_returns_fence_and_resume_packet(run, agent):
     assert body["resume"]["open_tool_calls"] == [] and body["resume"]["unknown_outcomes"] == []
     run.refresh_from_db()
     assert run.status == Run.Status.RUNNING
-    assert run.lease_owner == "token:token-olivia#host-1:123"
+    assert run.lease_owner == "token:token-robby#host-1:123"
     claimed = events(run.id, "run.claimed")[0]
-    assert (claimed.actor, claimed.channel) == ("token:token-olivia#host-1:123", "api")
+    assert (claimed.actor, claimed.channel) == ("token:token-robby#host-1:123", "api")
 
 
-def test_second_process_gets_lease_held(run, leased, operator):
-    other = Agent(client_for_second(operator), run.id)
+def test_second_process_gets_lease_held(robot, run, leased, operator):
+    other = Agent(client_for_second(robot), run.id)
     assert_error(other.lease(), 409, "lease_held")
 
 
@@ -57,9 +57,9 @@ def client_for_second(user):
     return client
 
 
-def test_hosted_runs_are_not_leased(api_agents, as_operator):
+def test_hosted_runs_are_not_leased(as_robot, api_agents):
     hosted = start()
-    assert_error(as_operator.post(f"/api/v1/runs/{hosted.id}/lease/"), 409, "invalid_state")
+    assert_error(as_robot.post(f"/api/v1/runs/{hosted.id}/lease/"), 409, "invalid_state")
 
 
 def test_lease_needs_operate_permission(run, as_viewer, anonymous):
@@ -67,13 +67,13 @@ def test_lease_needs_operate_permission(run, as_viewer, anonymous):
     assert_error(anonymous.post(f"/api/v1/runs/{run.id}/lease/"), 401, "not_authenticated")
 
 
-def test_lease_of_a_missing_run(as_operator):
-    response = as_operator.post("/api/v1/runs/00000000-0000-0000-0000-000000000000/lease/")
+def test_lease_of_a_missing_run(as_robot):
+    response = as_robot.post("/api/v1/runs/00000000-0000-0000-0000-000000000000/lease/")
     assert_error(response, 404, "not_found")
 
 
-def test_lease_bad_input(run, as_operator):
-    response = as_operator.post(f"/api/v1/runs/{run.id}/lease/", {"owner": "x" * 101})
+def test_lease_bad_input(as_robot, run):
+    response = as_robot.post(f"/api/v1/runs/{run.id}/lease/", {"owner": "x" * 101})
     assert "owner" in assert_error(response, 400, "validation_error")["fields"]
 
 
@@ -97,6 +97,7 @@ def test_stale_fence_is_lease_lost_and_changes_nothing(run, leased):
     seq = _seq(run)
     stale = Agent(leased.client, run.id)
     stale.fence = leased.fence + 5
+    stale.lease_token = leased.lease_token
     for response in (
         stale.run_post("lease/heartbeat"),
         stale.run_post("steps", {"state": {"x": 1}}),
@@ -313,7 +314,7 @@ def test_precondition_unchanged_dispatches(run, leased):
 # --- a process that dies --------------------------------------------------------------------
 
 
-def test_expired_lease_goes_back_to_queued_and_dispatching_is_unknown(run, leased, operator):
+def test_expired_lease_goes_back_to_queued_and_dispatching_is_unknown(robot, run, leased, operator):
     call = leased.propose("refund", {"order_id": "o", "amount_cents": 5}).json()["tool_call"]
     leased.dispatch(call["id"])
     expire_lease(run.id)
@@ -324,7 +325,7 @@ def test_expired_lease_goes_back_to_queued_and_dispatching_is_unknown(run, lease
     assert events(run.id, "run.lease_expired")[0].payload["fence"] == leased.fence
     assert_error(leased.receipt(call["id"], outcome="succeeded"), 409, "lease_lost")
 
-    second = Agent(client_for_second(operator), run.id)
+    second = Agent(client_for_second(robot), run.id)
     assert second.lease().status_code == 200
     assert second.fence == leased.fence + 1
     (unknown,) = second.resume["unknown_outcomes"]
@@ -347,12 +348,12 @@ def test_expired_lease_goes_back_to_queued_and_dispatching_is_unknown(run, lease
 
 
 def test_reconciled_absent_is_dispatched_again_with_the_same_key_once_it_cannot_land(
-    run, leased, operator
+    robot, run, leased, operator
 ):
     call = leased.propose("refund", {"order_id": "o", "amount_cents": 5}).json()["tool_call"]
     leased.dispatch(call["id"])
     expire_lease(run.id)
-    second = Agent(client_for_second(operator), run.id)
+    second = Agent(client_for_second(robot), run.id)
     second.lease()
 
     # a lookup begun while the first request may still land: its absent proves nothing
@@ -376,11 +377,11 @@ def test_reconciled_absent_is_dispatched_again_with_the_same_key_once_it_cannot_
     assert again["attempt"] == 2
 
 
-def test_unsafe_unknown_outcome_goes_to_a_person(run, leased, operator):
+def test_unsafe_unknown_outcome_goes_to_a_person(robot, run, leased, operator):
     call = leased.propose("notify", {}).json()["tool_call"]
     leased.dispatch(call["id"])
     expire_lease(run.id)
-    second = Agent(client_for_second(operator), run.id)
+    second = Agent(client_for_second(robot), run.id)
 
     assert_error(second.lease(), 409, "invalid_state")
     run.refresh_from_db()
@@ -395,9 +396,9 @@ def test_agent_reports_an_unknown_outcome(run, leased):
     assert "tool.unknown" in event_types(run.id)
 
 
-def test_claim_of_an_unexpired_dead_lease_counts_a_recovery(run, leased, operator):
+def test_claim_of_an_unexpired_dead_lease_counts_a_recovery(robot, run, leased, operator):
     Run.objects.filter(id=run.id).update(lease_expires_at=timezone.now() - timedelta(seconds=1))
-    second = Agent(client_for_second(operator), run.id)
+    second = Agent(client_for_second(robot), run.id)
     assert second.lease().status_code == 200
     assert events(run.id, "run.claimed")[-1].payload["recovered"] is True
 
@@ -449,7 +450,7 @@ def test_fenced_endpoints_refuse_viewers_strangers_and_bad_input(
 ):
     call_id = leased.propose("lookup", {}).json()["tool_call"]["id"]
     seq = _seq(run)
-    body = {"fence": leased.fence, **VALID.get(template, {})}
+    body = {"fence": leased.fence, "lease_token": leased.lease_token, **VALID.get(template, {})}
     path = _path(template, run, call_id)
 
     assert_error(as_viewer.post(path, body), 403, "permission_denied")
@@ -462,7 +463,7 @@ def test_fenced_endpoints_refuse_viewers_strangers_and_bad_input(
 @pytest.mark.parametrize("template", FENCED)
 def test_fenced_endpoints_on_missing_objects(template, leased):
     path = "/api/v1/" + template.format(run="00000000-0000-0000-0000-000000000000", call=999999)
-    body = {"fence": 1, **VALID.get(template, {})}
+    body = {"fence": 1, "lease_token": leased.lease_token, **VALID.get(template, {})}
     assert_error(leased.client.post(path, body), 404, "not_found")
 
 
@@ -480,17 +481,19 @@ def test_console_shows_a_remote_run(run, leased, client, operator):
     assert client.get("/runs/").status_code == 200
 
 
-def test_operator_resolves_an_unsafe_unknown_and_the_agent_goes_on(run, leased, operator):
+def test_operator_resolves_an_unsafe_unknown_and_the_agent_goes_on(robot, run, leased, operator):
     call = leased.propose("notify", {}).json()["tool_call"]
     leased.dispatch(call["id"])
     expire_lease(run.id)
-    second = Agent(client_for_second(operator), run.id)
+    second = Agent(client_for_second(robot), run.id)
     second.lease()  # needs_attention: unknown_outcome
 
-    resolved = second.client.post(
-        f"/api/v1/tool-calls/{call['id']}/resolution/",
-        {"outcome": "happened", "external_ref": "msg-1"},
-    )
+    # the agent may not settle its own unknown outcome: a person does
+    resolution = {"outcome": "happened", "external_ref": "msg-1"}
+    path = f"/api/v1/tool-calls/{call['id']}/resolution/"
+    assert_error(second.client.post(path, resolution), 403, "permission_denied")
+    assert ToolCall.objects.get(id=call["id"]).status == ToolCall.Status.UNKNOWN
+    resolved = client_for(operator).post(path, resolution)
     assert resolved.status_code == 200, resolved.content
 
     assert second.lease().status_code == 200

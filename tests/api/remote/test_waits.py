@@ -25,7 +25,7 @@ from runs.services import run_terminate
 from runs.tokens import api_token_create
 from runs.waits import question_answer, run_signal
 from runs.webhooks import webhooks_deliver_due
-from tests.api.conftest import assert_error, start, token_for
+from tests.api.conftest import assert_error, client_for, start, token_for
 from tests.api.remote_support import Agent
 from tests.api.test_webhooks import Receiver
 from tests.runs.wait_support import fall_due
@@ -91,7 +91,7 @@ def test_a_signal_ends_the_wait_wakes_the_process_by_webhook_and_the_next_lease_
     run, leased, operator, hooked, receiver
 ):
     _wait(leased, kind="signal", name="customer_replied", default={"replied": False})
-    response = leased.client.post(
+    response = client_for(operator).post(
         f"/api/v1/runs/{run.id}/signals/",
         {"name": "customer_replied", "payload": {"text": "yes please"}},
     )
@@ -328,10 +328,11 @@ def test_fence_is_required(run, leased):
     assert "fence" in assert_error(response, 400, "validation_error")["fields"]
 
 
-def test_hosted_run_is_invalid_state(api_agents, as_operator):
+def test_hosted_run_is_invalid_state(as_robot, api_agents):
     hosted = start()
-    response = as_operator.post(
-        f"/api/v1/runs/{hosted.id}/waits/", {"fence": 1, "kind": "timer", "seconds": 1}
+    response = as_robot.post(
+        f"/api/v1/runs/{hosted.id}/waits/",
+        {"fence": 1, "lease_token": "t", "kind": "timer", "seconds": 1},
     )
     assert_error(response, 409, "invalid_state")
 
@@ -343,16 +344,16 @@ def test_open_tool_call_is_invalid_state(run, leased):
 
 def test_viewers_and_strangers_are_refused(run, leased, as_viewer, anonymous):
     url = f"/api/v1/runs/{run.id}/waits/"
-    body = {"fence": leased.fence, "kind": "timer", "seconds": 1}
+    body = {"fence": leased.fence, "lease_token": leased.lease_token, "kind": "timer", "seconds": 1}
     assert_error(as_viewer.post(url, body), 403, "permission_denied")
     assert_error(anonymous.post(url, body), 401, "not_authenticated")
     assert not Step.objects.filter(run=run).exists()
 
 
-def test_missing_run_is_not_found(as_operator):
-    response = as_operator.post(
+def test_missing_run_is_not_found(as_robot):
+    response = as_robot.post(
         "/api/v1/runs/00000000-0000-0000-0000-000000000000/waits/",
-        {"fence": 1, "kind": "timer", "seconds": 1},
+        {"fence": 1, "lease_token": "t", "kind": "timer", "seconds": 1},
     )
     assert_error(response, 404, "not_found")
 
@@ -378,34 +379,52 @@ def in_process():
 
 
 @pytest.fixture
-def in_process_client(operator, in_process) -> Iterator[Client]:
-    with Client("http://testserver", token_for(operator), transport=in_process) as client:
+def in_process_client(robot, in_process) -> Iterator[Client]:
+    with Client("http://testserver", token_for(robot), transport=in_process) as client:
         yield client
 
 
-def test_answers_conform_to_the_schema(run, operator, in_process):
+def test_answers_conform_to_the_schema(robot, run, operator, in_process):
     """The wait's answers (parked, ended at once, a retry) and a resume packet with a finished
     wait, checked against the OpenAPI schema (Schemathesis' fuzzing seldom gets this far)."""
     api = schemathesis.openapi.from_wsgi("/api/schema/", application)
     waits = api["/api/v1/runs/{run_id}/waits/"]["POST"]
     lease = api["/api/v1/runs/{run_id}/lease/"]["POST"]
-    headers = {"Authorization": f"Bearer {token_for(operator)}"}
+    headers = {"Authorization": f"Bearer {token_for(robot)}"}
     with httpx.Client(base_url="http://testserver", transport=in_process, headers=headers) as http:
         leased = http.post(f"/api/v1/runs/{run.id}/lease/", json={})
         fence = leased.json()["fence"]
+        token = leased.json()["lease_token"]
         _signal(run, operator, "early", {"n": 1})
         answers = [
             http.post(
                 f"/api/v1/runs/{run.id}/waits/",
-                json={"fence": fence, "kind": "signal", "name": "early", "seq": 1},
+                json={
+                    "fence": fence,
+                    "lease_token": token,
+                    "kind": "signal",
+                    "name": "early",
+                    "seq": 1,
+                },
             ),
             http.post(
                 f"/api/v1/runs/{run.id}/waits/",
-                json={"fence": fence, "kind": "signal", "name": "early", "seq": 1},
+                json={
+                    "fence": fence,
+                    "lease_token": token,
+                    "kind": "signal",
+                    "name": "early",
+                    "seq": 1,
+                },
             ),
             http.post(
                 f"/api/v1/runs/{run.id}/waits/",
-                json={"fence": fence, "kind": "question", "text": "Which plan?"},
+                json={
+                    "fence": fence,
+                    "lease_token": token,
+                    "kind": "question",
+                    "text": "Which plan?",
+                },
             ),
         ]
         assert [a.status_code for a in answers] == [201, 200, 201]
@@ -421,14 +440,16 @@ def test_answers_conform_to_the_schema(run, operator, in_process):
         lease.validate_response(leased)
 
 
-def test_client_waits_for_a_signal_and_a_new_process_reads_the_outcome(run, in_process_client):
+def test_client_waits_for_a_signal_and_a_new_process_reads_the_outcome(
+    run, in_process_client, operator
+):
     client = in_process_client
     first = client.lease(str(run.id), owner="proc-1")
     assert first.resume.next_seq == 1
     wait = first.wait_for_signal("customer_replied", timeout=3600, default={"replied": False})
     assert wait.waiting and wait.outcome is None and wait.step_seq == 1
 
-    client.signal(str(run.id), "customer_replied", {"replied": True})
+    _signal(run, operator, "customer_replied", {"replied": True})  # a person's signal
 
     second = client.lease(str(run.id), owner="proc-2")
     outcome = second.resume.last_wait
