@@ -72,16 +72,10 @@ def approval_links(approval_id: str) -> dict[str, dict]:
     }
 
 
-def dispatch_link(tool_call_id: str) -> dict[str, dict]:
-    return {
-        "DispatchToolCall": link(
-            "v1_tool_calls_dispatch_create", REQUEST_FENCE, tool_call_id=tool_call_id
-        )
-    }
-
-
 PROPOSED = {
-    **dispatch_link("$response.body#/tool_call/id"),
+    "DispatchToolCall": link(
+        "v1_tool_calls_dispatch_create", REQUEST_FENCE, tool_call_id="$response.body#/tool_call/id"
+    ),
     # a call that needs an approval: what a person (or an approver's client) does next
     **approval_links("$response.body#/approval"),
 }
