@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install compile run test lint chaos clean bench
+.PHONY: install compile run test fuzz lint chaos clean bench
 
 install: $(STAMP)
 
@@ -26,6 +26,15 @@ run: install
 # the whole suite; set DATABASE_URL to run it on another database
 test: install
 	$(BIN)/python -m pytest
+
+# the suite's fuzzing, longer: Schemathesis (every phase, against a served instance) and the
+# form properties (Hypothesis), with more examples (README)
+FUZZ_EXAMPLES ?= 100
+FUZZ_FORM_EXAMPLES ?= 400
+fuzz: install
+	AGENTOPS_FUZZ_EXAMPLES=$(FUZZ_EXAMPLES) AGENTOPS_FUZZ_FORM_EXAMPLES=$(FUZZ_FORM_EXAMPLES) \
+	$(BIN)/python -m pytest -p no:cacheprovider --timeout=0 \
+		tests/api/test_schema.py tests/runs/test_forms_fuzzed.py
 
 lint: install
 	$(BIN)/ruff check .

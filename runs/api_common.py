@@ -286,14 +286,15 @@ def errors(*codes: str, auth: bool = True) -> dict[int, OpenApiResponse]:
 
 class QueryParamsSerializer(serializers.Serializer):
     """Filters from the query string. DRF reads ``?run=`` (an empty value) of a form-style
-    input as "not given"; here it is refused for every field that is not free text, so a
-    client's empty filter is an error it sees rather than silently no filter."""
+    input as "not given"; here it is refused for every field that may not be blank (the
+    schema's ``minLength: 1``), so a client's empty filter is an error it sees rather than
+    silently no filter."""
 
     def to_internal_value(self, data):
         empty = {
             name: ["may not be empty"]
             for name, field in self.fields.items()
-            if not isinstance(field, serializers.CharField)
+            if not getattr(field, "allow_blank", False)
             and hasattr(data, "getlist")
             and "" in data.getlist(name)
         }

@@ -63,11 +63,25 @@ def _reject_null_characters(value: Any, path: str = "") -> None:
 # --- serializers ---------------------------------------------------------------------------
 
 
+# drf-spectacular documents every decimal as possibly negative ("^-?..."); a cost is not, and
+# the schema says what the field accepts: up to 6 digits before the point and 6 after
+@extend_schema_field(
+    {
+        "type": "string",
+        "format": "decimal",
+        "pattern": r"^(?:\d{1,6}(?:\.\d{0,6})?|\.\d{1,6})$",
+        "nullable": True,
+        "example": "2.50",
+    }
+)
+class CostField(serializers.DecimalField):
+    def __init__(self, **kwargs):
+        super().__init__(max_digits=12, decimal_places=6, min_value=0, allow_null=True, **kwargs)
+
+
 class BudgetSerializer(serializers.Serializer):
     max_steps = serializers.IntegerField(min_value=1, max_value=1_000_000, required=False)
-    max_cost = serializers.DecimalField(
-        max_digits=12, decimal_places=6, min_value=0, required=False, allow_null=True
-    )
+    max_cost = CostField(required=False)
     max_tokens = serializers.IntegerField(
         min_value=1, max_value=10**15, required=False, allow_null=True
     )
@@ -409,9 +423,7 @@ class TerminateInputSerializer(serializers.Serializer):
 
 class BudgetTopUpInputSerializer(serializers.Serializer):
     add_steps = serializers.IntegerField(min_value=0, max_value=1_000_000, default=0)
-    add_cost = serializers.DecimalField(
-        max_digits=12, decimal_places=6, min_value=0, required=False, allow_null=True
-    )
+    add_cost = CostField(required=False)
     add_tokens = serializers.IntegerField(min_value=0, max_value=10**15, default=0)
     deadline = serializers.DateTimeField(
         required=False, allow_null=True, help_text="A new deadline (replaces the old one)."

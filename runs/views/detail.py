@@ -402,8 +402,19 @@ def _after_error(
     actions panel for htmx (base.html tells htmx to swap 4xx answers in), else the page."""
     detail = _detail_or_404(run_id)
     context = _context(request, detail, action=action, form=form, error=error)
+    if not error and form.errors and not _form_on_page(context, action):
+        # the action's form is not on the page now (the run moved on, or a request made by
+        # hand), so its field errors would not be seen: they are the page's error instead
+        context["error"] = " ".join(str(e) for errors in form.errors.values() for e in errors)
     template = "runs/detail.html#run-actions" if request.htmx else "runs/detail.html"
     return render(request, template, context, status=status)
+
+
+def _form_on_page(context: dict[str, Any], action: str) -> bool:
+    """Whether runs/detail.html shows the action's form (the template's own conditions)."""
+    if action == "fork":
+        return bool(context["detail"].fork_steps and context["fork_version"])
+    return context["available"].get(action, False)
 
 
 @login_required

@@ -182,6 +182,31 @@ def test_rejecting_without_a_reason_is_a_form_error(client, waiting, approver):
 
 
 @pytest.mark.parametrize(
+    ("posted", "message"),
+    [
+        ({}, b"This field is required."),
+        ({"action": "approve!"}, b"Select a valid choice."),
+        ({"action": "approve", "comment": "x" * 2001}, b"at most 2000 characters"),
+    ],
+)
+@pytest.mark.django_db
+def test_errors_no_action_form_shows_are_shown_above_the_forms(
+    client, waiting, approver, posted, message
+):
+    """No action, an unknown one, or a comment on an approve (a request made by hand): the
+    chosen action's form shows no such field, so its error is shown above the forms (found
+    by tests/runs/test_forms_fuzzed.py: a 400 that showed nothing)."""
+    client.force_login(approver)
+
+    response = client.post(_decide(waiting), posted)
+
+    assert response.status_code == 400
+    assert b'role="alert"' in response.content and message in response.content
+    waiting.refresh_from_db()
+    assert waiting.status == Approval.Status.PENDING
+
+
+@pytest.mark.parametrize(
     ("arguments", "message"),
     [
         ('{"order_id": "ord_1004", "amount_cents": -5}', b"minimum of 1"),

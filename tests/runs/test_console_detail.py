@@ -836,3 +836,20 @@ def test_older_events_need_a_sensible_event_number(client, viewer, reader, syste
     for before in ("", "x", "0", "-3", str(2**70)):
         assert client.get(_url("events", run), {"before": before}).status_code == 400
     assert client.get(_url("events", uuid.uuid4()), {"before": "5"}).status_code == 404
+
+
+@pytest.mark.parametrize("htmx", [False, True])
+def test_errors_of_a_form_not_on_the_page_are_shown_as_the_page_error(
+    client, operator, reader, system_actor, htmx
+):
+    """A fork posted for a run with no finished step (or a pause of a paused run with a too
+    long reason): the form is not on the page, so its errors are the page's error (found by
+    tests/runs/test_forms_fuzzed.py: a 400 that showed nothing)."""
+    client.force_login(operator)
+    extra = {"HTTP_HX_REQUEST": "true"} if htmx else {}
+    fork = client.post(_url("fork", _queued(system_actor)), {}, **extra)
+    pause = client.post(_url("pause", _paused(system_actor)), {"reason": "x" * 2001}, **extra)
+
+    assert (fork.status_code, pause.status_code) == (400, 400)
+    assert 'role="alert">Choose the last finished step' in fork.content.decode()
+    assert 'role="alert">Ensure this value has at most 2000 characters' in pause.content.decode()
