@@ -12,8 +12,9 @@ import sys
 
 import pytest
 from django.conf import settings
-from django.db import connection
+from django.db import ProgrammingError, connection
 
+from runs.management.commands import runworker
 from tests.runs.workerprocs import MANAGE, worker_env
 from tests.test_deploy import manage, production_env
 
@@ -103,3 +104,12 @@ def test_what_a_transaction_pooler_cannot_keep_is_refused_at_start_up(
 
     assert result.returncode != 0
     assert message in result.stderr
+
+
+def test_a_worker_names_the_setting_when_a_transaction_pooler_lost_its_prepared_statement():
+    error = ProgrammingError('prepared statement "_pg3_6" does not exist')
+
+    problem = runworker._database_problem(error)
+
+    assert problem.startswith('prepared statement "_pg3_6" does not exist: a transaction pooler')
+    assert problem.endswith("set AGENTOPS_PG_POOLER=transaction")
