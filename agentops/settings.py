@@ -164,6 +164,17 @@ try:
 except Exception as exc:  # dj-database-url raises several types for a bad URL
     raise ImproperlyConfigured(f"DATABASE_URL is not a usable database URL: {exc}") from None
 
+# What sits between us and PostgreSQL. A transaction pooler (PgBouncer's
+# pool_mode = transaction) hands each transaction whichever server connection is free, so
+# nothing may outlive a transaction on a connection: the engine's own locks are
+# transaction-scoped or rows with leases already (docs/operations.md), and what Django and
+# psycopg keep per session is turned off below. Ignored on SQLite.
+PG_POOLER = env_str("AGENTOPS_PG_POOLER", "none").strip().lower() or "none"
+if PG_POOLER not in ("none", "session", "transaction"):
+    raise ImproperlyConfigured(
+        f"AGENTOPS_PG_POOLER={PG_POOLER!r}: use none, session or transaction "
+        "(statement pooling cannot run the engine's transactions of several statements)"
+    )
 if _db["ENGINE"] == "django.db.backends.sqlite3":
     Path(_db["NAME"]).parent.mkdir(parents=True, exist_ok=True)
     _db["OPTIONS"] = {
@@ -190,6 +201,20 @@ elif _db["ENGINE"] == "django.db.backends.postgresql":
             "server_side_binding": True,
             "prepare_threshold": 2,
         }
+    if PG_POOLER == "transaction":
+        # A named prepared statement lives in one server session: behind a transaction pooler
+        # the next transaction runs on another and fails with `prepared statement "_pg3_N"
+        # does not exist`. Parameters still travel apart from the SQL (an unnamed statement,
+        # parsed and run in one round trip); only the plan cache across statements is lost.
+        _db["OPTIONS"] = {**_db.get("OPTIONS", {}), "prepare_threshold": None}
+        # QuerySet.iterator() would DECLARE a cursor WITH HOLD outside a transaction: a
+        # session object the next fetch cannot find on another server connection
+        _db["DISABLE_SERVER_SIDE_CURSORS"] = True
+        if "assume_role" in _db.get("OPTIONS", {}):
+            raise ImproperlyConfigured(
+                "assume_role runs SET ROLE once per connection, which a transaction pooler "
+                "does not keep: connect as that role instead (AGENTOPS_PG_POOLER=transaction)"
+            )
 else:
     raise ImproperlyConfigured(f"DATABASE_URL uses an unsupported engine: {_db['ENGINE']}")
 DATABASES = {"default": _db}

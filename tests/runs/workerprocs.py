@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -41,12 +41,15 @@ def worker_env(sandbox: Any = None, **overrides: str) -> dict[str, str]:
 
 
 class WorkerProcess:
-    def __init__(self, name: str, env: dict[str, str], log_path: Path) -> None:
+    def __init__(
+        self, name: str, env: dict[str, str], log_path: Path, prefix: Sequence[str] = ()
+    ) -> None:
         self.name = name
         self.log_path = log_path
         with open(log_path, "wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, MANAGE, "runworker", "--name", name],
+                # prefix: e.g. `ip netns exec <host>`, which execs the worker (same pid)
+                [*prefix, sys.executable, MANAGE, "runworker", "--name", name],
                 cwd=settings.BASE_DIR,
                 env=env,
                 stdin=subprocess.DEVNULL,
@@ -115,9 +118,9 @@ class Workers:
         self.tmp_path = tmp_path
         self.started: list[WorkerProcess] = []
 
-    def start(self, name: str, env: dict[str, str]) -> WorkerProcess:
+    def start(self, name: str, env: dict[str, str], prefix: Sequence[str] = ()) -> WorkerProcess:
         log_path = self.tmp_path / f"{name}.{len(self.started)}.log"
-        worker = WorkerProcess(name, env, log_path)
+        worker = WorkerProcess(name, env, log_path, prefix)
         self.started.append(worker)
         return worker
 

@@ -69,6 +69,12 @@ def _connection_lost(exc: BaseException) -> bool:
 
 def _database_problem(exc: BaseException) -> str:
     first = _first_line(exc)
+    if "prepared statement" in first and "does not exist" in first:
+        # the statement was prepared on another server connection: a transaction pooler
+        return (
+            f"{first}: a transaction pooler (PgBouncer's pool_mode = transaction) sits "
+            "between this process and PostgreSQL; set AGENTOPS_PG_POOLER=transaction"
+        )
     if _unmigrated(exc):
         return f"the database is not migrated (run python manage.py migrate): {first}"
     if _connection_lost(exc):
@@ -146,6 +152,8 @@ class Command(BaseCommand):
             # always runs beside a cluster, and nothing the cluster does waits for it
             taken = self._at_start(name, requested, lambda: workers.take_over_predecessor(name))
             log.info("worker %s started (took over and woke %d runs)", name, taken)
+            if connections["default"].vendor == "postgresql" and settings.PG_POOLER != "none":
+                log.info("worker %s: PostgreSQL through a %s pooler", name, settings.PG_POOLER)
             registry.warn_unguarded(log)
             os.environ["AGENTOPS_WORKER_NAME"] = name
             engine.set_stop_check(stopping.is_set)

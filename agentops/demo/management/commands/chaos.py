@@ -475,6 +475,12 @@ class Command(BaseCommand):
             raise CommandError(
                 f"--db-faults needs PostgreSQL (pg_terminate_backend), not {connection.vendor}"
             )
+        if db_faults and settings.PG_POOLER == "transaction":
+            # the workers' backends are found by application name, which a pooled backend
+            # carries for whichever client used it last: the harness would cut its own
+            raise CommandError(
+                "--db-faults cannot tell the workers' backends behind a transaction pooler"
+            )
         return Options(
             runs=runs,
             random_kills=kills,
