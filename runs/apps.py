@@ -6,10 +6,17 @@ class RunsConfig(AppConfig):
     verbose_name = "Runs"
 
     def ready(self) -> None:
-        # sign-ins and failed sign-ins go to the audit log (issue 8)
+        # sign-ins, lockouts and unlocks go to the audit log (issues 8, 17)
         from runs.audit import connect_signals
 
         connect_signals()
+
+        # a sign-in starts the idle clock (runs.middleware.IdleSessionMiddleware)
+        from django.contrib.auth.signals import user_logged_in
+
+        from runs.middleware import session_mark_active
+
+        user_logged_in.connect(session_mark_active, dispatch_uid="agentops.session.active")
 
         # operators are emailed once per alert cause (runs.alerts); checked by the sweeper
         from runs.alerts import alerts_sweep

@@ -22,10 +22,12 @@ nor that the record describes what really happened outside the database.
 
 from __future__ import annotations
 
+import contextvars
 import csv
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -152,7 +154,7 @@ def audit_record(
     """Append one entry to the audit log and return it. The only way entries are written.
 
     ``action`` is a dotted name (``token.created``, ``agent.registered``, ``user.roles_changed``,
-    ``auth.signed_in``, ``auth.sign_in_failed``); ``actor`` a label such as
+    ``auth.signed_in``, ``auth.locked_out``); ``actor`` a label such as
     ``runs.actors.Actor.label`` (``user:alice``, ``system``); ``channel`` one of the contract
     channels (web, email, api, admin, cli, worker). ``request``, when given, supplies the IP
     address and user agent. ``before``/``after`` are JSON values (reduced to JSON now, so the
@@ -465,30 +467,90 @@ def on_user_logged_in(sender: Any, request: Any, user: Any, **kwargs: Any) -> No
     )
 
 
-def on_user_login_failed(sender: Any, credentials: dict[str, Any], request: Any = None, **kwargs):
-    # Django has already replaced the password (and anything else it deems sensitive) with
-    # asterisks; only the username attempted is kept.
-    from django.contrib.auth import get_user_model
+# Failed sign-ins are not audit entries: one per failure, under the audit log's global lock,
+# let anyone slow every audited action down and fill the log by typing wrong passwords.
+# django-axes counts them (per username and address, in its own table, without that lock);
+# the audit log records what a person acts on: the lockout, and who lifted it.
 
-    username = str(
-        credentials.get(get_user_model().USERNAME_FIELD, credentials.get("username", ""))
-    )
+
+def on_user_locked_out(sender: Any, request: Any, username: Any, ip_address: Any, **kwargs):
+    """django-axes's ``user_locked_out``: sent for the failure that reaches the limit and for
+    every failure after it while locked. Only the first is recorded — one entry per lockout,
+    however long someone keeps trying."""
+    from django.conf import settings
+
+    failures = getattr(request, "axes_failures_since_start", None)
+    if failures != settings.AXES_FAILURE_LIMIT:
+        return
     audit_record(
-        action="auth.sign_in_failed",
+        action="auth.locked_out",
         actor="anonymous",
         channel=_sign_in_channel(request),
         request=request,
         object_type="user",
-        object_id=username[:200],
-        after={"username": username[:150], "path": getattr(request, "path", "") or ""},
+        object_id=str(username or "")[:200],
+        after={
+            "username": str(username or "")[:150],
+            "ip_address": ip_address,
+            "failures": failures,
+            "locked_for_seconds": int(settings.AXES_COOLOFF_TIME.total_seconds()),
+            "path": getattr(request, "path", "") or "",
+        },
+    )
+
+
+# who is lifting lockouts in this thread (the admin's action sets it); None: a command
+_unlocking: contextvars.ContextVar[tuple[str, str, Any] | None] = contextvars.ContextVar(
+    "agentops_unlocking", default=None
+)
+
+
+@contextmanager
+def unlocking_as(actor: str, channel: str, request: Any = None) -> Iterator[None]:
+    token = _unlocking.set((actor, channel, request))
+    try:
+        yield
+    finally:
+        _unlocking.reset(token)
+
+
+def on_access_attempt_deleted(sender: Any, instance: Any, **kwargs: Any) -> None:
+    """A deleted django-axes attempt that was still locking someone out is an unlock: the
+    admin's delete, ``axes_reset*`` commands. Expired attempts (cleaned up as they are
+    passed) and the failures a successful sign-in clears locked nobody: not recorded."""
+    from django.conf import settings
+
+    if (instance.failures_since_start or 0) < settings.AXES_FAILURE_LIMIT:
+        return
+    if instance.attempt_time < timezone.now() - settings.AXES_COOLOFF_TIME:
+        return
+    actor, channel, request = _unlocking.get() or ("system", "cli", None)
+    audit_record(
+        action="auth.unlocked",
+        actor=actor,
+        channel=channel,
+        request=request,
+        object_type="user",
+        object_id=str(instance.username or "")[:200],
+        after={
+            "username": str(instance.username or "")[:150],
+            "ip_address": instance.ip_address,
+            "failures": instance.failures_since_start,
+        },
     )
 
 
 def connect_signals() -> None:
-    from django.contrib.auth.signals import user_logged_in, user_login_failed
+    from axes.models import AccessAttempt
+    from axes.signals import user_locked_out
+    from django.contrib.auth.signals import user_logged_in
+    from django.db.models.signals import post_delete
 
     user_logged_in.connect(on_user_logged_in, dispatch_uid="agentops.audit.signed_in")
-    user_login_failed.connect(on_user_login_failed, dispatch_uid="agentops.audit.sign_in_failed")
+    user_locked_out.connect(on_user_locked_out, dispatch_uid="agentops.audit.locked_out")
+    post_delete.connect(
+        on_access_attempt_deleted, sender=AccessAttempt, dispatch_uid="agentops.audit.unlocked"
+    )
 
 
 # --- users' roles -----------------------------------------------------------------------------

@@ -39,3 +39,6 @@ from agentops.settings import *  # noqa: E402,F403
 
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 EMAIL_BACKEND = "django.core.mail.backends.locmem.EmailBackend"
+# Throttle counters per test process: the database cache (the production default, tested in
+# tests/api/test_throttling.py) would add its queries to every API test's pinned count.
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}
