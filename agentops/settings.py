@@ -473,7 +473,11 @@ AGENTOPS_LLM = {
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"run_context": {"()": "runs.logs.RunContextFilter"}},
+    "filters": {
+        "run_context": {"()": "runs.logs.RunContextFilter"},
+        # approval and question link tokens never reach a log line (issue 17)
+        "redact_links": {"()": "runs.logs.RedactLinkTokens"},
+    },
     "formatters": {
         "human": {"()": "runs.logs.HumanFormatter"},
         "json": {"()": "runs.logs.JsonFormatter"},
@@ -482,7 +486,7 @@ LOGGING = {
         "console": {
             "class": "logging.StreamHandler",
             "formatter": LOG_FORMAT,
-            "filters": ["run_context"],
+            "filters": ["run_context", "redact_links"],
         }
     },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},
