@@ -207,8 +207,9 @@ AUTHENTICATION_BACKENDS = [
 AXES_FAILURE_LIMIT = env_int("AGENTOPS_SIGN_IN_FAILURE_LIMIT", 5)
 AXES_COOLOFF_TIME = timedelta(seconds=env_float("AGENTOPS_SIGN_IN_LOCKOUT", 15 * 60.0))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
-# the connection's address, as the audit log records it: X-Forwarded-For is the client's choice
-AXES_IPWARE_META_PRECEDENCE_ORDER = ("REMOTE_ADDR",)
+# the connection's address, as the audit log records it (X-Forwarded-For is the client's
+# choice); an IPv6 address counts as its /64
+AXES_CLIENT_IP_CALLABLE = "runs.audit.sign_in_client_address"
 AXES_RESET_ON_SUCCESS = True
 # sign-ins are audit entries already (runs.audit); lockouts and unlocks too
 AXES_DISABLE_ACCESS_LOG = True

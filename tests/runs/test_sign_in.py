@@ -148,3 +148,22 @@ def test_the_session_cookie_lasts_the_idle_timeout(client, operator, settings):
     response = client.get("/")
     assert response.status_code == 200
     assert settings.SESSION_COOKIE_AGE == settings.SESSION_IDLE_TIMEOUT
+
+
+def test_an_ipv6_subscriber_cannot_get_fresh_tries_by_changing_address(client, approver):
+    for host in range(1, 6):
+        _sign_in(client, "alice", "not-the-password", f"2001:db8:1:2::{host}")
+    assert _sign_in(client, "alice", "pw-alice", "2001:db8:1:2::99").status_code == 429
+    # another /64 is another place
+    assert _sign_in(client, "alice", "pw-alice", "2001:db8:1:3::1").status_code == 302
+
+
+def test_x_forwarded_for_does_not_change_where_a_sign_in_comes_from(client, approver):
+    for n in range(5):
+        client.post(
+            "/accounts/login/",
+            {"username": "alice", "password": "nope"},
+            REMOTE_ADDR=HERE,
+            HTTP_X_FORWARDED_FOR=f"10.9.9.{n}",
+        )
+    assert _sign_in(client, "alice", "pw-alice", HERE).status_code == 429
