@@ -1,5 +1,5 @@
-"""Console middleware: times in the operator's own timezone, and a signed-out htmx request
-sent to the sign-in page as a whole page.
+"""Console middleware: times in the operator's own timezone, a signed-out htmx request
+sent to the sign-in page as a whole page, and idle sessions signed out.
 
 ``static/js/timezone.js`` stores the browser's IANA zone name in the ``tz`` cookie; this
 middleware activates it for the request. A missing or unknown zone falls back to
@@ -15,6 +15,7 @@ from functools import lru_cache
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth import logout
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, JsonResponse
 from django.shortcuts import resolve_url
 from django.utils import timezone
@@ -110,8 +111,6 @@ class IdleSessionMiddleware:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        from django.contrib.auth import logout
-
         user = getattr(request, "user", None)
         if user is not None and user.is_authenticated:
             now = time.time()
