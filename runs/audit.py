@@ -9,9 +9,10 @@ event. So an edited, deleted, inserted or reordered event is detected.
 
 **Audit entries** (``AuditEntry``) are appended by ``audit_record`` only: API tokens created
 and revoked, remote agent manifests registered or changed, users' roles and emails changed,
-sign-ins, lockouts and unlocks. They form one chain over all entries in id order (the first anchors to a fixed
-value). Appends are serialised (a transaction-level advisory lock on PostgreSQL; SQLite's
-IMMEDIATE transactions serialise writers already), so the id order is the chain order.
+sign-ins, lockouts and unlocks. They form one chain over all entries in id order (the first
+anchors to a fixed value). Appends are serialised (a transaction-level advisory lock on
+PostgreSQL; SQLite's IMMEDIATE transactions serialise writers already), so the id order is the
+chain order.
 
 What verification does not prove: that a chain was not recomputed wholesale by someone with
 write access to the database and this code (the hashes are not signed with a secret), that the
