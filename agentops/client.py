@@ -1234,18 +1234,22 @@ def verify_webhook(
 ) -> dict[str, Any]:
     """Check a webhook request and return its JSON body. Refuses a bad or missing signature
     and a timestamp more than ``tolerance`` seconds from now (a replayed request).
-    ``headers`` is looked up case-insensitively."""
+    ``headers`` is looked up case-insensitively.
+
+    The signature (``v2``) covers the delivery id (``Agentops-Webhook-Id``), the timestamp and
+    the body: keep the ids you have handled (for longer than ``tolerance``) and ignore one seen
+    before — a replay within the tolerance, or a retry of a delivery you already processed."""
     lowered = {key.lower(): value for key, value in headers.items()}
+    delivery_id = lowered.get(DELIVERY_HEADER.lower(), "")
     timestamp = lowered.get(TIMESTAMP_HEADER.lower(), "")
     signature = lowered.get(SIGNATURE_HEADER.lower(), "")
-    if not timestamp.isdigit() or not signature.startswith("v1="):
+    if not delivery_id.isdigit() or not timestamp.isdigit() or not signature.startswith("v2="):
         raise WebhookVerificationError("missing or malformed signature headers")
     current = time.time() if now is None else now
     if abs(current - int(timestamp)) > tolerance:
         raise WebhookVerificationError("stale timestamp: refusing a possibly replayed request")
-    expected = hmac.new(
-        secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256
-    ).hexdigest()
-    if not hmac.compare_digest("v1=" + expected, signature):
+    signed = f"{delivery_id}.{timestamp}.".encode() + body
+    expected = hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
+    if not hmac.compare_digest("v2=" + expected, signature):
         raise WebhookVerificationError("signature does not match")
     return json.loads(body)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import ipaddress
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import dj_database_url
@@ -47,6 +48,7 @@ INSTALLED_APPS = [
     "drf_spectacular_sidecar",
     "django_q",
     "csp",
+    "axes",
     "runs",
     "approvals",
     "agentops.demo",
@@ -92,6 +94,10 @@ MIDDLEWARE = [
     "runs.middleware.OperatorTimezoneMiddleware",
     # a polling page whose session expired goes to the sign-in page as a whole
     "runs.middleware.HtmxLoginRedirectMiddleware",
+    # a session idle for AGENTOPS_SESSION_IDLE_TIMEOUT is signed out
+    "runs.middleware.IdleSessionMiddleware",
+    # last, as django-axes asks: turns a locked-out sign-in into its 429 page
+    "axes.middleware.AxesMiddleware",
 ]
 
 # --- security (docs/operations.md, "Security settings") ------------------------------------
@@ -223,8 +229,59 @@ IS_SQLITE = _db["ENGINE"] == "django.db.backends.sqlite3"
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
-    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {
+        "NAME": "django.contrib.auth.password_validation.MinimumLengthValidator",
+        "OPTIONS": {"min_length": env_int("AGENTOPS_PASSWORD_MIN_LENGTH", 12)},
+    },
+    {"NAME": "django.contrib.auth.password_validation.CommonPasswordValidator"},
+    {"NAME": "django.contrib.auth.password_validation.NumericPasswordValidator"},
 ]
+
+# --- sign-in (docs/operations.md "Sign-in and sessions") ----------------------------------
+# django-axes checks every sign-in (console, admin) before the password: after
+# AGENTOPS_SIGN_IN_FAILURE_LIMIT failures of one username from one address, each less than
+# AGENTOPS_SIGN_IN_LOCKOUT seconds after the one before, that username is refused from that
+# address until AGENTOPS_SIGN_IN_LOCKOUT seconds after the last failure. The username and the
+# address together: a stranger typing an approver's name elsewhere locks out only themselves.
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env_int("AGENTOPS_SIGN_IN_FAILURE_LIMIT", 5)
+AXES_COOLOFF_TIME = timedelta(seconds=env_float("AGENTOPS_SIGN_IN_LOCKOUT", 15 * 60.0))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+# the connection's address, as the audit log records it (X-Forwarded-For is the client's
+# choice); an IPv6 address counts as its /64
+AXES_CLIENT_IP_CALLABLE = "runs.audit.sign_in_client_address"
+AXES_RESET_ON_SUCCESS = True
+# sign-ins are audit entries already (runs.audit); lockouts and unlocks too
+AXES_DISABLE_ACCESS_LOG = True
+# its admin would delete attempts unaudited: runs.admin registers an auditing one
+AXES_ENABLE_ADMIN = False
+AXES_LOCKOUT_TEMPLATE = "registration/locked_out.html"
+AXES_VERBOSE = False
+if AXES_FAILURE_LIMIT < 1 or AXES_COOLOFF_TIME.total_seconds() <= 0:
+    raise ImproperlyConfigured(
+        "AGENTOPS_SIGN_IN_FAILURE_LIMIT and AGENTOPS_SIGN_IN_LOCKOUT must be positive"
+    )
+
+# A session idle this many seconds is over (runs.middleware.IdleSessionMiddleware): the
+# cookie and the stored session expire then too. Background refreshes of a page left open
+# (htmx GETs) are not activity.
+SESSION_IDLE_TIMEOUT = env_int("AGENTOPS_SESSION_IDLE_TIMEOUT", 8 * 3600)
+if SESSION_IDLE_TIMEOUT < 60:
+    raise ImproperlyConfigured("AGENTOPS_SESSION_IDLE_TIMEOUT must be at least 60 seconds")
+SESSION_COOKIE_AGE = SESSION_IDLE_TIMEOUT
+
+# Shared by every process (API throttle counters): a table in the database, created by a
+# migration (runs 0019), so gunicorn's processes and machines count together.
+CACHES = {
+    "default": {
+        "BACKEND": "django.core.cache.backends.db.DatabaseCache",
+        "LOCATION": "agentops_cache",
+    }
+}
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -262,14 +319,17 @@ REST_FRAMEWORK = {
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
     # every error is {"code", "detail"} (+ "fields" for validation_error)
     "EXCEPTION_HANDLER": "runs.api_common.exception_handler",
-    "DEFAULT_THROTTLE_CLASSES": [
-        "rest_framework.throttling.AnonRateThrottle",
-        "rest_framework.throttling.UserRateThrottle",
-    ],
+    # Authenticated requests, per user, after the permission check (DRF's order). Requests
+    # with no credentials or bad ones are counted per address before that, at authentication
+    # (runs.throttling): DRF would refuse them with 401/403 before any throttle ran.
+    "DEFAULT_THROTTLE_CLASSES": ["rest_framework.throttling.UserRateThrottle"],
     "DEFAULT_THROTTLE_RATES": {
         "anon": env_str("AGENTOPS_API_ANON_RATE", "120/min"),
         "user": env_str("AGENTOPS_API_USER_RATE", "1200/min"),
     },
+    # the address is the connection's: with NUM_PROXIES unset DRF would take X-Forwarded-For,
+    # which any client sets to a new value per request. Behind N proxies that set it, N.
+    "NUM_PROXIES": env_int("AGENTOPS_API_NUM_PROXIES", 0),
 }
 
 SPECTACULAR_SETTINGS = {
@@ -478,7 +538,11 @@ AGENTOPS_LLM = {
 LOGGING = {
     "version": 1,
     "disable_existing_loggers": False,
-    "filters": {"run_context": {"()": "runs.logs.RunContextFilter"}},
+    "filters": {
+        "run_context": {"()": "runs.logs.RunContextFilter"},
+        # approval and question link tokens never reach a log line (issue 17)
+        "redact_links": {"()": "runs.logs.RedactLinkTokens"},
+    },
     "formatters": {
         "human": {"()": "runs.logs.HumanFormatter"},
         "json": {"()": "runs.logs.JsonFormatter"},
@@ -487,7 +551,7 @@ LOGGING = {
         "console": {
             "class": "logging.StreamHandler",
             "formatter": LOG_FORMAT,
-            "filters": ["run_context"],
+            "filters": ["run_context", "redact_links"],
         }
     },
     "root": {"handlers": ["console"], "level": env_str("LOG_LEVEL", "INFO")},

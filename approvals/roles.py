@@ -33,6 +33,7 @@ ROLE_PERMISSIONS: dict[str, list[str]] = {
         "runs.view_worker",
         "runs.view_apitoken",
         "runs.view_webhookdelivery",
+        "runs.view_outboxmessage",
         "runs.view_idempotentrequest",
         "runs.view_agentmanifest",
         "runs.view_auditentry",

@@ -9,4 +9,5 @@ urlpatterns = [
     path("<int:approval_id>/", views.approval_detail, name="detail"),
     path("<int:approval_id>/decide/", views.approval_decide_view, name="decide"),
     path("link/<str:token>/", views.approval_link, name="link"),
+    path("signed-in/", views.approval_link_after_sign_in, name="link_after_sign_in"),
 ]

@@ -15,7 +15,9 @@ from django.contrib.auth.decorators import login_required, permission_required
 from django.contrib.auth.views import redirect_to_login
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.utils import timezone
+from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods, require_POST
 from django_htmx.middleware import HtmxDetails
@@ -215,6 +217,8 @@ def _link_page(
             my_decision=selectors.link_decision(link=link),
             seconds_left=max(0, int((approval.expires_at - timezone.now()).total_seconds())),
         )
+    if state == "login":
+        context["sign_in_url"] = _sign_in_url_keeping_the_link(request)
     response = render(request, "approvals/link.html", context, status=status)
     # the token is in the URL: keep it out of other sites' Referer headers and caches. Not
     # "no-referrer": browsers then send "Origin: null" with the form's POST, which Django's
@@ -239,6 +243,26 @@ def _link_state(link) -> str:
     return "confirm"
 
 
+# The link's path holds its token: as the sign-in page's ``next=`` it would be written to
+# access logs, the login form and the Referer of everything that page loads. The path waits
+# in the session instead (signing in keeps the session's data), and ``next=`` names a page
+# without a secret that sends the person on.
+_LINK_AFTER_SIGN_IN = "agentops_link_after_sign_in"
+
+
+def _sign_in_url_keeping_the_link(request: HttpRequest) -> str:
+    request.session[_LINK_AFTER_SIGN_IN] = request.path
+    return redirect_to_login(reverse("approvals:link_after_sign_in"))["Location"]
+
+
+@login_required
+def approval_link_after_sign_in(request: HttpRequest) -> HttpResponse:
+    path = request.session.pop(_LINK_AFTER_SIGN_IN, None)
+    if not path or not url_has_allowed_host_and_scheme(path, allowed_hosts=None):
+        return redirect("approvals:inbox")
+    return redirect(path)
+
+
 _LINK_STATUS = {"confirm": 200, "decided": 200, "expired": 410, "cancelled": 410}
 
 
@@ -256,7 +280,7 @@ def approval_link(request: HttpRequest, token: str) -> HttpResponse:
         return _link_page(request, "not_yours", link=link, status=403, error=str(exc))
     except LinkLoginRequired:
         if request.method == "POST":
-            return redirect_to_login(request.get_full_path())
+            return redirect(_sign_in_url_keeping_the_link(request))
         state = _link_state(link)
         return _link_page(
             request,

@@ -47,33 +47,46 @@ loglevel = os.environ.get("GUNICORN_LOG_LEVEL", "info")
 proc_name = "agentops-web"
 
 # gunicorn's own lines (errors, the access log) in the same format as the app's: JSON in
-# production, as agentops/settings.py decides from LOG_FORMAT and DEBUG
+# production, as agentops/settings.py decides from LOG_FORMAT and DEBUG. Both kinds pass
+# through runs.logs.RedactLinkTokens: an approval or question link's path is its secret token,
+# and the access log would otherwise keep every one (request line, Referer).
 _debug = os.environ.get("DEBUG", "0").strip().lower() in {"1", "true", "yes", "on"}
-if os.environ.get("LOG_FORMAT", "human" if _debug else "json") == "json":
-    logconfig_dict = {
-        "version": 1,
-        "disable_existing_loggers": False,
-        "root": {"level": "INFO", "handlers": ["console"]},
-        "formatters": {"json": {"()": "runs.logs.JsonFormatter"}},
-        # the names gunicorn's defaults use: the access log to stdout, errors to stderr
-        "handlers": {
-            "console": {
-                "class": "logging.StreamHandler",
-                "formatter": "json",
-                "stream": "ext://sys.stdout",
-            },
-            "error_console": {
-                "class": "logging.StreamHandler",
-                "formatter": "json",
-                "stream": "ext://sys.stderr",
-            },
+_json = os.environ.get("LOG_FORMAT", "human" if _debug else "json") == "json"
+logconfig_dict = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "root": {"level": "INFO", "handlers": ["console"]},
+    "filters": {"redact_links": {"()": "runs.logs.RedactLinkTokens"}},
+    "formatters": {
+        "json": {"()": "runs.logs.JsonFormatter"},
+        # gunicorn's own default layouts
+        "access": {"format": "%(message)s"},
+        "error": {
+            "format": "%(asctime)s [%(process)d] [%(levelname)s] %(message)s",
+            "datefmt": "[%Y-%m-%d %H:%M:%S %z]",
         },
-        "loggers": {
-            "gunicorn.error": {
-                "handlers": ["error_console"],
-                "level": loglevel.upper(),
-                "propagate": False,
-            },
-            "gunicorn.access": {"handlers": ["console"], "level": "INFO", "propagate": False},
+    },
+    # the names gunicorn's defaults use: the access log to stdout, errors to stderr
+    "handlers": {
+        "console": {
+            "class": "logging.StreamHandler",
+            "formatter": "json" if _json else "access",
+            "filters": ["redact_links"],
+            "stream": "ext://sys.stdout",
         },
-    }
+        "error_console": {
+            "class": "logging.StreamHandler",
+            "formatter": "json" if _json else "error",
+            "filters": ["redact_links"],
+            "stream": "ext://sys.stderr",
+        },
+    },
+    "loggers": {
+        "gunicorn.error": {
+            "handlers": ["error_console"],
+            "level": loglevel.upper(),
+            "propagate": False,
+        },
+        "gunicorn.access": {"handlers": ["console"], "level": "INFO", "propagate": False},
+    },
+}

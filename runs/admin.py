@@ -17,6 +17,7 @@ from collections.abc import Callable
 from datetime import datetime, time, timedelta
 from typing import Any
 
+from axes.models import AccessAttempt
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
@@ -34,6 +35,7 @@ from django.urls import path, reverse
 from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html
+from django_q.models import Failure, OrmQ, Schedule, Success
 
 from runs.actors import Actor, PermissionDenied
 from runs.audit import (
@@ -41,6 +43,7 @@ from runs.audit import (
     csv_lines,
     group_snapshot,
     keyset_iterate,
+    unlocking_as,
     user_roles_snapshot,
 )
 from runs.masking import UNMASKED, Masker, masked_rows, maskers_for_ids
@@ -58,6 +61,7 @@ from runs.models import (
     Step,
     ToolCall,
     ToolReceipt,
+    OutboxMessage,
     WebhookDelivery,
     Worker,
 )
@@ -973,6 +977,32 @@ class WebhookDeliveryAdmin(ReadOnlyAdmin):
         return run_link(obj.run_id)
 
 
+@admin.register(OutboxMessage)
+class OutboxMessageAdmin(ReadOnlyAdmin):
+    """Every email the system sent or still owes (runs.outbox), for an auditor asking "was
+    the approver told?". The payload is not shown: it holds the seed of the emailed link."""
+
+    list_display = [
+        "id",
+        "kind",
+        "to_address",
+        "run_column",
+        "status",
+        "attempts",
+        "created_at",
+        "sent_at",
+    ]
+    list_filter = ["status", "kind"]
+    uuid_search_fields = ("run_id",)
+    exact_search_fields = ("to_address", "message_id")
+    date_hierarchy = "created_at"
+    exclude = ["payload", "claim_token"]
+
+    @admin.display(description="run", ordering="run_id")
+    def run_column(self, obj: OutboxMessage) -> str:
+        return run_link(obj.run_id)
+
+
 @admin.register(IdempotentRequest)
 class IdempotentRequestAdmin(ReadOnlyAdmin):
     list_display = ["key", "principal", "run_column", "created_at"]
@@ -1022,8 +1052,11 @@ class AuditActionFilter(FixedChoicesFilter):
     values = (
         "agent.registered",
         "agent.updated",
+        "auth.locked_out",
+        # written before issue 17; failures are counted by django-axes now
         "auth.sign_in_failed",
         "auth.signed_in",
+        "auth.unlocked",
         "group.created",
         "group.deleted",
         "group.permissions_changed",
@@ -1031,6 +1064,7 @@ class AuditActionFilter(FixedChoicesFilter):
         "token.revoked",
         "user.created",
         "user.deleted",
+        "user.email_changed",
         "user.password_changed",
         "user.roles_changed",
     )
@@ -1227,13 +1261,27 @@ User = get_user_model()
 
 class AuditedUserAdmin(UserAdmin):
     def save_model(self, request, obj, form, change):
-        before = user_roles_snapshot(User.objects.get(pk=obj.pk)) if change else {}
-        request._audit_user_before = before
+        stored = User.objects.get(pk=obj.pk) if change else None
+        request._audit_user_before = user_roles_snapshot(stored) if change else {}
+        request._audit_email_before = stored.email if change else None
         super().save_model(request, obj, form, change)
 
     def save_related(self, request, form, formsets, change):
         super().save_related(request, form, formsets, change)
         user = form.instance
+        before_email = getattr(request, "_audit_email_before", None)
+        if change and before_email != user.email:
+            # approval and question links go to this address: whoever changes it can read them
+            audit_record(
+                action="user.email_changed",
+                actor=_admin_actor(request),
+                channel="admin",
+                request=request,
+                object_type="user",
+                object_id=user.pk,
+                before={"username": user.get_username(), "email": before_email},
+                after={"username": user.get_username(), "email": user.email},
+            )
         before = getattr(request, "_audit_user_before", {})
         after = user_roles_snapshot(user)
         if change and before == after:
@@ -1327,3 +1375,51 @@ for _model, _admin_class in ((User, AuditedUserAdmin), (Group, AuditedGroupAdmin
     if admin.site.is_registered(_model):
         admin.site.unregister(_model)
     admin.site.register(_model, _admin_class)
+
+
+# --- sign-in lockouts (django-axes) -------------------------------------------------------------
+
+
+@admin.register(AccessAttempt)
+class SignInLockoutAdmin(admin.ModelAdmin):
+    """Failed sign-ins per username and address, as django-axes counts them. Deleting rows
+    is the unlock: each lifted lockout is an ``auth.unlocked`` audit entry naming who."""
+
+    list_display = ("username", "ip_address", "failures_since_start", "attempt_time", "locked")
+    list_filter = ("attempt_time",)
+    search_fields = ("=username", "=ip_address")
+    ordering = ("-attempt_time",)
+    fields = ("username", "ip_address", "user_agent", "failures_since_start", "attempt_time")
+    readonly_fields = fields
+
+    @admin.display(boolean=True, description="locked out")
+    def locked(self, obj: AccessAttempt) -> bool:
+        from django.conf import settings
+
+        return obj.failures_since_start >= settings.AXES_FAILURE_LIMIT and (
+            obj.attempt_time >= timezone.now() - settings.AXES_COOLOFF_TIME
+        )
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+    def has_change_permission(self, request, obj=None):
+        return False
+
+    def delete_model(self, request, obj):
+        with transaction.atomic(), unlocking_as(_admin_actor(request), "admin", request):
+            super().delete_model(request, obj)
+
+    def delete_queryset(self, request, queryset):
+        with transaction.atomic(), unlocking_as(_admin_actor(request), "admin", request):
+            super().delete_queryset(request, queryset)
+
+
+# --- django-q2 ------------------------------------------------------------------------------------
+# Its admin lets a superuser add a Schedule whose ``func`` names any importable callable, which
+# the workers then run: code execution from a web form, against "read-only for everyone,
+# superusers included". Queued tasks and results are the engine's plumbing, not the record.
+# Schedules are made in code or a shell (docs/operations.md).
+for _q_model in (Schedule, Success, Failure, OrmQ):
+    if admin.site.is_registered(_q_model):
+        admin.site.unregister(_q_model)

@@ -9,10 +9,17 @@ class RunsConfig(AppConfig):
         # check --deploy: the base URL of emailed links (runs/checks.py)
         from runs import checks  # noqa: F401
 
-        # sign-ins and failed sign-ins go to the audit log (issue 8)
+        # sign-ins, lockouts and unlocks go to the audit log (issues 8, 17)
         from runs.audit import connect_signals
 
         connect_signals()
+
+        # a sign-in starts the idle clock (runs.middleware.IdleSessionMiddleware)
+        from django.contrib.auth.signals import user_logged_in
+
+        from runs.middleware import session_mark_active
+
+        user_logged_in.connect(session_mark_active, dispatch_uid="agentops.session.active")
 
         # operators are emailed once per alert cause (runs.alerts); checked by the sweeper
         from runs import alerts

@@ -8,24 +8,27 @@ no gap, and the run's recorded head (``event_seq``, ``last_event_hash``) matches
 event. So an edited, deleted, inserted or reordered event is detected.
 
 **Audit entries** (``AuditEntry``) are appended by ``audit_record`` only: API tokens created
-and revoked, remote agent manifests registered or changed, users' roles changed, sign-ins and
-failed sign-ins. They form one chain over all entries in id order (the first anchors to a fixed
-value). Appends are serialised (a transaction-level advisory lock on PostgreSQL; SQLite's
-IMMEDIATE transactions serialise writers already), so the id order is the chain order.
+and revoked, remote agent manifests registered or changed, users' roles and emails changed,
+sign-ins, lockouts and unlocks. They form one chain over all entries in id order (the first
+anchors to a fixed value). Appends are serialised (a transaction-level advisory lock on
+PostgreSQL; SQLite's IMMEDIATE transactions serialise writers already), so the id order is the
+chain order.
 
 What verification does not prove: that a chain was not recomputed wholesale by someone with
 write access to the database and this code (the hashes are not signed with a secret), that the
-newest audit entries were not cut off the end (nothing after them links back; compare with a
-head hash recorded elsewhere, ``audit_verify --audit-head``), nor that the record describes
-what really happened outside the database.
+newest audit entries or events were not cut off the end or the tables emptied (nothing after
+them links back; compare with a head recorded elsewhere: ``audit_verify --expect-head``),
+nor that the record describes what really happened outside the database.
 """
 
 from __future__ import annotations
 
+import contextvars
 import csv
 import hashlib
 import json
 from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -152,7 +155,7 @@ def audit_record(
     """Append one entry to the audit log and return it. The only way entries are written.
 
     ``action`` is a dotted name (``token.created``, ``agent.registered``, ``user.roles_changed``,
-    ``auth.signed_in``, ``auth.sign_in_failed``); ``actor`` a label such as
+    ``auth.signed_in``, ``auth.locked_out``); ``actor`` a label such as
     ``runs.actors.Actor.label`` (``user:alice``, ``system``); ``channel`` one of the contract
     channels (web, email, api, admin, cli, worker). ``request``, when given, supplies the IP
     address and user agent. ``before``/``after`` are JSON values (reduced to JSON now, so the
@@ -235,6 +238,70 @@ def verify_entries(*, expected_head: str | None = None) -> EntryChainResult:
         if expected_head is not None and entry.hash == expected_head:
             result.head_found = True
     return result
+
+
+# --- pinned heads: what an emptied or rewound table cannot hide -------------------------------
+# A chain proves nothing about rows that are gone from its end: an emptied table is an intact,
+# empty chain. A head recorded earlier and kept outside the database (``audit_verify
+# --write-head``) names the newest audit entry and event then, and how many there were; every
+# one of them must still be there, unchanged (``audit_verify --expect-head``).
+
+HEAD_FORMAT = "agentops-audit-head/1"
+
+
+def chain_head() -> dict[str, Any]:
+    """The newest audit entry and event, and how many of each exist, as JSON values."""
+    audit = AuditEntry.objects.order_by("-id").values("id", "hash").first()
+    event = RunEvent.objects.order_by("-id").values("id", "run_id", "seq", "hash").first()
+    return {
+        "format": HEAD_FORMAT,
+        "recorded_at": timezone.now().isoformat(),
+        "audit_entries": {
+            "count": AuditEntry.objects.count(),
+            "last_id": audit["id"] if audit else None,
+            "last_hash": audit["hash"] if audit else None,
+        },
+        "events": {
+            "count": RunEvent.objects.count(),
+            "last_id": event["id"] if event else None,
+            "last_run_id": str(event["run_id"]) if event else None,
+            "last_seq": event["seq"] if event else None,
+            "last_hash": event["hash"] if event else None,
+        },
+    }
+
+
+def head_problems(pinned: dict[str, Any]) -> list[str]:
+    """What no longer matches a head recorded earlier: its newest rows gone or changed, or
+    fewer rows up to them than there were (rows appended since are fine)."""
+    if not isinstance(pinned, dict) or pinned.get("format") != HEAD_FORMAT:
+        raise ValueError(f"not an audit head (expected format {HEAD_FORMAT!r})")
+    problems = []
+    for label, model, key in (
+        ("audit entries", AuditEntry, "audit_entries"),
+        ("events", RunEvent, "events"),
+    ):
+        part = pinned.get(key) or {}
+        count, last_id, last_hash = part.get("count"), part.get("last_id"), part.get("last_hash")
+        if not isinstance(count, int) or count < 0:
+            raise ValueError(f"audit head: {key}.count is not a count")
+        if last_id is None:
+            continue  # nothing was recorded then
+        stored = model.objects.filter(id=last_id).values_list("hash", flat=True).first()
+        if stored is None:
+            problems.append(
+                f"{label}: the newest one when the head was recorded (id {last_id}) is gone "
+                f"(the table was emptied or rewound)"
+            )
+        elif stored != last_hash:
+            problems.append(f"{label}: id {last_id} no longer has the recorded hash")
+        now = model.objects.filter(id__lte=last_id).count()
+        if now != count:
+            problems.append(
+                f"{label}: {count} existed up to id {last_id} when the head was recorded, "
+                f"{now} do now"
+            )
+    return problems
 
 
 # --- streaming exports ------------------------------------------------------------------------
@@ -401,30 +468,107 @@ def on_user_logged_in(sender: Any, request: Any, user: Any, **kwargs: Any) -> No
     )
 
 
-def on_user_login_failed(sender: Any, credentials: dict[str, Any], request: Any = None, **kwargs):
-    # Django has already replaced the password (and anything else it deems sensitive) with
-    # asterisks; only the username attempted is kept.
-    from django.contrib.auth import get_user_model
+# Failed sign-ins are not audit entries: one per failure, under the audit log's global lock,
+# let anyone slow every audited action down and fill the log by typing wrong passwords.
+# django-axes counts them (per username and address, in its own table, without that lock);
+# the audit log records what a person acts on: the lockout, and who lifted it.
 
-    username = str(
-        credentials.get(get_user_model().USERNAME_FIELD, credentials.get("username", ""))
-    )
+
+def sign_in_client_address(request: Any) -> str | None:
+    """The address django-axes counts failures under (``AXES_CLIENT_IP_CALLABLE``): the
+    connection's, like ``request_ip``, but an IPv6 address as its /64 — one subscriber
+    usually holds a whole /64 and could otherwise try each username from endless addresses."""
+    import ipaddress
+
+    address = request_ip(request)
+    if address is None:
+        return None
+    parsed = ipaddress.ip_address(address)
+    if parsed.version == 6:
+        if parsed.ipv4_mapped is not None:
+            return str(parsed.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{parsed}/64", strict=False).network_address)
+    return address
+
+
+def on_user_locked_out(sender: Any, request: Any, username: Any, ip_address: Any, **kwargs):
+    """django-axes's ``user_locked_out``: sent for the failure that reaches the limit and for
+    every failure after it while locked. Only the first is recorded — one entry per lockout,
+    however long someone keeps trying."""
+    from django.conf import settings
+
+    failures = getattr(request, "axes_failures_since_start", None)
+    if failures != settings.AXES_FAILURE_LIMIT:
+        return
     audit_record(
-        action="auth.sign_in_failed",
+        action="auth.locked_out",
         actor="anonymous",
         channel=_sign_in_channel(request),
         request=request,
         object_type="user",
-        object_id=username[:200],
-        after={"username": username[:150], "path": getattr(request, "path", "") or ""},
+        object_id=str(username or "")[:200],
+        after={
+            "username": str(username or "")[:150],
+            "ip_address": ip_address,
+            "failures": failures,
+            "locked_for_seconds": int(settings.AXES_COOLOFF_TIME.total_seconds()),
+            "path": getattr(request, "path", "") or "",
+        },
+    )
+
+
+# who is lifting lockouts in this thread (the admin's action sets it); None: a command
+_unlocking: contextvars.ContextVar[tuple[str, str, Any] | None] = contextvars.ContextVar(
+    "agentops_unlocking", default=None
+)
+
+
+@contextmanager
+def unlocking_as(actor: str, channel: str, request: Any = None) -> Iterator[None]:
+    token = _unlocking.set((actor, channel, request))
+    try:
+        yield
+    finally:
+        _unlocking.reset(token)
+
+
+def on_access_attempt_deleted(sender: Any, instance: Any, **kwargs: Any) -> None:
+    """A deleted django-axes attempt that was still locking someone out is an unlock: the
+    admin's delete, ``axes_reset*`` commands. Expired attempts (cleaned up as they are
+    passed) and the failures a successful sign-in clears locked nobody: not recorded."""
+    from django.conf import settings
+
+    if (instance.failures_since_start or 0) < settings.AXES_FAILURE_LIMIT:
+        return
+    if instance.attempt_time < timezone.now() - settings.AXES_COOLOFF_TIME:
+        return
+    actor, channel, request = _unlocking.get() or ("system", "cli", None)
+    audit_record(
+        action="auth.unlocked",
+        actor=actor,
+        channel=channel,
+        request=request,
+        object_type="user",
+        object_id=str(instance.username or "")[:200],
+        after={
+            "username": str(instance.username or "")[:150],
+            "ip_address": instance.ip_address,
+            "failures": instance.failures_since_start,
+        },
     )
 
 
 def connect_signals() -> None:
-    from django.contrib.auth.signals import user_logged_in, user_login_failed
+    from axes.models import AccessAttempt
+    from axes.signals import user_locked_out
+    from django.contrib.auth.signals import user_logged_in
+    from django.db.models.signals import post_delete
 
     user_logged_in.connect(on_user_logged_in, dispatch_uid="agentops.audit.signed_in")
-    user_login_failed.connect(on_user_login_failed, dispatch_uid="agentops.audit.sign_in_failed")
+    user_locked_out.connect(on_user_locked_out, dispatch_uid="agentops.audit.locked_out")
+    post_delete.connect(
+        on_access_attempt_deleted, sender=AccessAttempt, dispatch_uid="agentops.audit.unlocked"
+    )
 
 
 # --- users' roles -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +52,45 @@ class RunContextFilter(logging.Filter):
         for name in CONTEXT_FIELDS:
             if not hasattr(record, name):
                 setattr(record, name, context.get(name, ""))
+        return True
+
+
+# An approval or question link's path ends in its secret token (``/approvals/link/<token>/``,
+# ``/questions/link/<token>/``), also percent-encoded inside a query string (``next=``) or a
+# Referer. Tokens are 43 URL-safe characters; 16 or more after a ``link/`` or ``links/``
+# segment is one, whatever the prefix the link views end up under.
+_LINK_TOKEN = re.compile(r"((?:/|%2F)links?(?:/|%2F))[A-Za-z0-9_-]{16,}", re.IGNORECASE)
+REDACTED = "[redacted]"
+
+
+def redact_link_tokens(text: str) -> str:
+    return _LINK_TOKEN.sub(r"\1" + REDACTED, text)
+
+
+class RedactLinkTokens(logging.Filter):
+    """Takes link tokens out of a record before any handler writes it: gunicorn's access log
+    (the request line, the Referer) and Django's request warnings (``Not Found: /…``). The
+    message is rendered here, once, so a formatter sees only the redacted text."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        redacted = redact_link_tokens(message)
+        if redacted != message:
+            record.msg, record.args = redacted, ()
+        elif isinstance(record.args, dict):
+            # gunicorn's access atoms are read again by formats that name them
+            record.args = {
+                key: redact_link_tokens(value) if isinstance(value, str) else value
+                for key, value in record.args.items()
+            }
+        for key, value in list(vars(record).items()):
+            if key in _RESERVED or key.startswith("_"):
+                continue
+            # extras such as django.request's ``request`` render as their path
+            if isinstance(value, str) or hasattr(value, "path"):
+                text = value if isinstance(value, str) else repr(value)
+                if (clean := redact_link_tokens(text)) != text:
+                    setattr(record, key, clean)
         return True
 
 

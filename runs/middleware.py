@@ -1,5 +1,5 @@
-"""Console middleware: times in the operator's own timezone, and a signed-out htmx request
-sent to the sign-in page as a whole page.
+"""Console middleware: times in the operator's own timezone, a signed-out htmx request
+sent to the sign-in page as a whole page, and idle sessions signed out.
 
 ``static/js/timezone.js`` stores the browser's IANA zone name in the ``tz`` cookie; this
 middleware activates it for the request. A missing or unknown zone falls back to
@@ -8,11 +8,14 @@ middleware activates it for the request. A missing or unknown zone falls back to
 
 from __future__ import annotations
 
+import time
 import zoneinfo
 from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 from django.conf import settings
+from django.contrib.auth import logout
 from django.http import HttpRequest, HttpResponse, HttpResponseBadRequest, JsonResponse
 from django.shortcuts import resolve_url
 from django.utils import timezone
@@ -86,3 +89,48 @@ class RefuseNulMiddleware:
                 return JsonResponse(body, status=400)
             return HttpResponseBadRequest(body["detail"], content_type="text/plain")
         return self.get_response(request)
+
+
+# the session key holding the time of the signed-in person's last action (epoch seconds)
+LAST_ACTIVE_KEY = "agentops_last_active"
+# how stale the stored time may get before a request writes it again: a session write per
+# minute of activity, not one per request
+_ACTIVITY_RESOLUTION = 60
+
+
+class IdleSessionMiddleware:
+    """Signs out a session idle for ``SESSION_IDLE_TIMEOUT`` seconds (issue 17).
+
+    Activity is any request but an htmx GET: the list, dashboard and inbox pages refresh
+    themselves every few seconds, and a tab left open on them is not a person at the desk.
+    Each write of the time also renews the session's stored expiry and its cookie
+    (``SESSION_COOKIE_AGE`` = the same timeout), so the server forgets an idle session even
+    if no request comes to end it here."""
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        user = getattr(request, "user", None)
+        if user is not None and user.is_authenticated:
+            now = time.time()
+            last = request.session.get(LAST_ACTIVE_KEY)
+            if isinstance(last, int | float) and now - last > settings.SESSION_IDLE_TIMEOUT:
+                logout(request)
+            elif not _is_background_refresh(request) and (
+                not isinstance(last, int | float) or now - last >= _ACTIVITY_RESOLUTION
+            ):
+                request.session[LAST_ACTIVE_KEY] = now
+        return self.get_response(request)
+
+
+def session_mark_active(sender: Any, request: Any, user: Any, **kwargs: Any) -> None:
+    """``user_logged_in``: the clock starts at sign-in, in the session write that signing in
+    makes anyway (not in a second one at the next page)."""
+    session = getattr(request, "session", None)
+    if session is not None:
+        session[LAST_ACTIVE_KEY] = time.time()
+
+
+def _is_background_refresh(request: HttpRequest) -> bool:
+    return request.method == "GET" and request.headers.get("HX-Request") == "true"

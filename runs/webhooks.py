@@ -22,11 +22,13 @@ failures with exponential backoff; every attempt's status code or error is recor
 row. ``Agentops-Webhook-Id`` (the delivery id) is the same on every attempt: a receiver
 recognises a delivery sent again after a crash between the send and the mark.
 
-Signing: ``Agentops-Webhook-Signature: v1=<hex HMAC-SHA256(secret, "<timestamp>." + body)>``
-with ``Agentops-Webhook-Timestamp`` (Unix seconds), so a receiver can refuse stale or
-replayed requests (``agentops.client.verify_webhook``). Callback URLs that resolve to a
-private, loopback, link-local or otherwise reserved address are refused unless it lies in
-``AGENTOPS["WEBHOOK_ALLOWED_NETWORKS"]``.
+Signing: ``Agentops-Webhook-Signature: v2=<hex HMAC-SHA256(secret, "<delivery id>.<timestamp>."
++ body)>`` with ``Agentops-Webhook-Id`` and ``Agentops-Webhook-Timestamp`` (Unix seconds): a
+receiver refuses stale requests and, the id being signed too, deduplicates by it — a request
+replayed within the tolerance has an id already seen (``agentops.client.verify_webhook``).
+Callback URLs that resolve to a private, loopback, link-local or otherwise reserved address —
+also written as an IPv6 form that embeds one (IPv4-mapped, NAT64, 6to4, Teredo) — are refused
+unless it lies in ``AGENTOPS["WEBHOOK_ALLOWED_NETWORKS"]``.
 """
 
 from __future__ import annotations
@@ -181,9 +183,11 @@ def install() -> None:
 # --- signing ------------------------------------------------------------------------------------
 
 
-def sign(secret: str, timestamp: str, body: bytes) -> str:
-    mac = hmac.new(secret.encode(), timestamp.encode() + b"." + body, hashlib.sha256)
-    return "v1=" + mac.hexdigest()
+def sign(secret: str, delivery_id: str, timestamp: str, body: bytes) -> str:
+    """v2 covers the delivery id (v1 did not: a replay could not be told from a new delivery
+    by an id the sender vouched for) and the timestamp, each ended by a dot."""
+    signed = f"{delivery_id}.{timestamp}.".encode() + body
+    return "v2=" + hmac.new(secret.encode(), signed, hashlib.sha256).hexdigest()
 
 
 def encode(payload: Any) -> bytes:
@@ -217,13 +221,48 @@ def checked_address(url: str) -> tuple[str, str]:
         return f"cannot resolve {parts.hostname}: {exc}", ""
     addresses = [ipaddress.ip_address(str(info[4][0]).split("%")[0]) for info in infos]
     for address in addresses:
-        if any(address.version == net.version and address in net for net in allowed):
-            continue
-        if not address.is_global or address.is_multicast:
+        if not _may_connect(address, allowed):
             return f"{parts.hostname} resolves to {address}, a non-public address", ""
     if not addresses:
         return f"cannot resolve {parts.hostname}: no address", ""
     return "", str(addresses[0])
+
+
+# IPv6 forms that carry an IPv4 address a gateway or the host's own stack then reaches: judged
+# by the IPv4 address inside (Python counts 64:ff9b::10.0.0.1 and 2002:0a00:0001:: as global)
+_NAT64 = ipaddress.ip_network("64:ff9b::/96")
+# RFC 8215 local-use NAT64: how it embeds an address is the operator's choice; never public
+_NAT64_LOCAL = ipaddress.ip_network("64:ff9b:1::/48")
+# deprecated IPv4-compatible addresses (::10.0.0.1); also covers :: and ::1
+_IPV4_COMPATIBLE = ipaddress.ip_network("::/96")
+
+
+def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    if address.sixtofour is not None:
+        return address.sixtofour
+    if address.teredo is not None:
+        return address.teredo[1]  # the client's address
+    if address in _NAT64 or address in _IPV4_COMPATIBLE:
+        return ipaddress.IPv4Address(int(address) & 0xFFFFFFFF)
+    return None
+
+
+def _may_connect(address: Any, allowed: list[Any]) -> bool:
+    if any(address.version == net.version and address in net for net in allowed):
+        return True
+    if address.version == 6:
+        if address in _NAT64_LOCAL:
+            return False
+        embedded = _embedded_ipv4(address)
+        if embedded is not None:
+            if not _may_connect(embedded, allowed):
+                return False
+            if address.ipv4_mapped is not None:
+                return True  # the host's own stack connects to the IPv4 address itself
+    # a tunnel or translator prefix must itself be public too (Teredo's is not)
+    return address.is_global and not address.is_multicast
 
 
 def _pinned_request(url: str, address: str) -> tuple[str, dict[str, str], dict[str, Any]]:
@@ -280,7 +319,7 @@ def deliver(delivery: WebhookDelivery, claim_token: str) -> bool:
             DELIVERY_HEADER: str(delivery.id),
             EVENT_HEADER: delivery.event_type,
             TIMESTAMP_HEADER: timestamp,
-            SIGNATURE_HEADER: sign(token.webhook_secret, timestamp, body),
+            SIGNATURE_HEADER: sign(token.webhook_secret, str(delivery.id), timestamp, body),
         }
         # imported here: every process loads this module (its checkpoint listener), only
         # the delivering worker needs an HTTP client (worker start-up time, docs/benchmarks.md)

@@ -41,3 +41,6 @@ PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 # worker processes started by a harness with its own SMTP server (chaos, the outbox's
 # crash tests) are told so through EMAIL_BACKEND; the suite itself keeps mail in memory
 EMAIL_BACKEND = os.environ.get("EMAIL_BACKEND", "django.core.mail.backends.locmem.EmailBackend")
+# Throttle counters per test process: the database cache (the production default, tested in
+# tests/api/test_throttling.py) would add its queries to every API test's pinned count.
+CACHES = {"default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}}

@@ -197,7 +197,7 @@ def gunicorn(tmp_path):
 
 
 @pytest.mark.slow
-def test_gunicorn_serves_the_app_with_production_security(gunicorn):
+def test_gunicorn_serves_the_app_with_production_security(gunicorn, tmp_path):
     host = {"Host": "agentops.example.com"}
     via_https_proxy = {**host, "X-Forwarded-Proto": "https"}
 
@@ -224,6 +224,17 @@ def test_gunicorn_serves_the_app_with_production_security(gunicorn):
     assert httpx.get(f"{gunicorn}/accounts/login/", headers=evil).status_code == 400
     # but probes and scrapers address the machine by IP, which is not an allowed host
     assert httpx.get(f"{gunicorn}/metrics", timeout=5).status_code == 200
+
+    # the access log keeps no link token (issue 17): request lines, Referers, next=
+    token = "Tk" + "x" * 41  # the shape of a link token
+    for path in (f"/approvals/link/{token}/", f"/questions/link/{token}/"):
+        referer = {"Referer": f"https://agentops.example.com{path}"}
+        httpx.get(f"{gunicorn}{path}", headers={**via_https_proxy, **referer}, timeout=5)
+    login = f"{gunicorn}/accounts/login/?next=%2Fapprovals%2Flink%2F{token}%2F"
+    httpx.get(login, headers=via_https_proxy, timeout=5)
+    log = (tmp_path / "gunicorn.log").read_text()
+    assert "/approvals/link/[redacted]/" in log
+    assert token not in log
 
 
 # --- the Content-Security-Policy ----------------------------------------------------------------

@@ -124,6 +124,10 @@ def test_receiver_rejects_bad_signatures_and_stale_timestamps(hooked, receiver, 
         verify_webhook("another-secret", headers, body)
     with pytest.raises(WebhookVerificationError, match="signature"):
         verify_webhook(hooked.webhook_secret, headers, body.replace(b"succeeded", b"failed"))
+    # the delivery id is signed: a replay cannot pass for a new delivery under another id
+    with pytest.raises(WebhookVerificationError, match="signature"):
+        verify_webhook(hooked.webhook_secret, {**headers, "Agentops-Webhook-Id": "999999"}, body)
+    assert headers["Agentops-Webhook-Signature"].startswith("v2=")
 
 
 def test_approval_decided_and_lease_expired(hooked, leased, as_approver):
@@ -195,7 +199,23 @@ def test_private_addresses_are_refused(settings, hooked, leased, receiver):
 
 @pytest.mark.parametrize(
     "url",
-    ["http://10.1.2.3/x", "http://169.254.169.254/latest", "http://[::1]/x", "ftp://example.com/"],
+    [
+        "http://10.1.2.3/x",
+        "http://169.254.169.254/latest",
+        "http://[::1]/x",
+        "ftp://example.com/",
+        # IPv6 forms of internal IPv4 addresses (issue 17): NAT64, 6to4, IPv4-mapped,
+        # IPv4-compatible, Teredo, and the local-use NAT64 prefix
+        "http://[64:ff9b::a9fe:a9fe]/latest",  # 169.254.169.254
+        "http://[64:ff9b::7f00:1]/x",
+        "http://[2002:a00:1::1]/x",  # 10.0.0.1
+        "http://[2002:7f00:1::]/x",
+        "http://[::ffff:127.0.0.1]/x",
+        "http://[::ffff:a9fe:a9fe]/x",
+        "http://[::10.0.0.1]/x",
+        "http://[2001:0:4136:e378:8000:63bf:f5ff:fffe]/x",
+        "http://[64:ff9b:1::808:808]/x",
+    ],
 )
 def test_url_refusal(settings, url):
     settings.AGENTOPS = {**settings.AGENTOPS, "WEBHOOK_ALLOWED_NETWORKS": []}
@@ -205,6 +225,16 @@ def test_url_refusal(settings, url):
 def test_loopback_allowed_by_setting(settings):
     settings.AGENTOPS = {**settings.AGENTOPS, "WEBHOOK_ALLOWED_NETWORKS": ["127.0.0.0/8"]}
     assert url_refusal("http://127.0.0.1:9/x") == ""
+    # the same address in its IPv4-mapped form is the same address
+    assert url_refusal("http://[::ffff:127.0.0.1]:9/x") == ""
+
+
+@pytest.mark.parametrize(
+    "url", ["http://[64:ff9b::808:808]/x", "http://[2002:808:808::1]/x", "http://8.8.8.8/x"]
+)
+def test_public_ipv4_addresses_in_ipv6_forms_may_be_called(settings, url):
+    settings.AGENTOPS = {**settings.AGENTOPS, "WEBHOOK_ALLOWED_NETWORKS": []}
+    assert url_refusal(url) == ""
 
 
 def test_gives_up_after_max_attempts(settings, hooked, leased, receiver):

@@ -406,3 +406,37 @@ def test_bearer_links_are_an_opt_in_for_one_approver(
     assert events(run.id, "approval.link_used")[0].payload["signed_in"] is False
     with pytest.raises(ValueError, match="1-of-1"):
         ApprovalPolicy(when="always", required=2, bearer_links=True)
+
+
+@pytest.mark.django_db
+def test_signing_in_from_a_link_keeps_its_token_out_of_the_sign_in_url(
+    django_capture_on_commit_callbacks, client, system_actor, alice, login_policy_tool
+):
+    """The sign-in page's ``next=`` would put the token in access logs and Referer headers:
+    the link waits in the session, and ``next=`` names a page without a secret (issue 17)."""
+    import re
+    from urllib.parse import unquote
+
+    with django_capture_on_commit_callbacks(execute=True):
+        drive(run_create(agent_name="closer", actor=system_actor).id)
+    token = token_for("alice@example.com")
+
+    page = client.get(link(token)).content.decode()
+    (sign_in_url,) = re.findall(r'href="(/accounts/login/[^"]*)"', page)
+    sign_in_url = sign_in_url.replace("&amp;", "&")
+    assert token not in unquote(sign_in_url)
+    assert unquote(sign_in_url).endswith("next=/approvals/signed-in/")
+    posted = _post(client, token, sign_in=False)
+    assert token not in unquote(posted["Location"])
+
+    alice.set_password("a-long-passphrase-of-alice")
+    alice.save()
+    signed_in = client.post(
+        sign_in_url, {"username": alice.username, "password": "a-long-passphrase-of-alice"}
+    )
+    assert signed_in.status_code == 302 and signed_in["Location"] == "/approvals/signed-in/"
+    onward = client.get(signed_in["Location"])
+    assert onward.status_code == 302 and onward["Location"] == link(token)
+    assert b'name="decision"' in client.get(onward["Location"]).content
+    # used once: the same page again goes to the inbox
+    assert client.get("/approvals/signed-in/")["Location"] == "/approvals/"

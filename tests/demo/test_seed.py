@@ -7,6 +7,7 @@ import re
 import pytest
 from django.contrib.auth import authenticate, get_user_model
 from django.core.management import call_command
+from django.test import RequestFactory
 
 from agentops.demo.tools import REFUND_APPROVAL_THRESHOLD_CENTS
 from runs.models import Run
@@ -19,7 +20,9 @@ def test_seed_demo_creates_a_sign_in_and_demo_runs_once(capsys):
     out = capsys.readouterr().out
     password = re.search(r"sign-in 'demo' with password (\S+)", out).group(1)
 
-    demo = authenticate(username="demo", password=password)
+    # django-axes checks every sign-in against its request (the address it came from)
+    sign_in = RequestFactory().post("/accounts/login/")
+    demo = authenticate(sign_in, username="demo", password=password)
     assert demo is not None and not demo.is_superuser and not demo.is_staff
     assert set(demo.groups.values_list("name", flat=True)) == {"operator", "approver", "viewer"}
     assert demo.has_perm("runs.view_run") and demo.has_perm("approvals.decide_approval")
@@ -49,7 +52,7 @@ def test_seed_demo_creates_a_sign_in_and_demo_runs_once(capsys):
     assert "password" not in again
     assert "no demo runs created" in again
     assert Run.objects.count() == len(runs)
-    assert authenticate(username="demo", password=password) is not None
+    assert authenticate(sign_in, username="demo", password=password) is not None
     assert get_user_model().objects.filter(username="demo").count() == 1
 
 

@@ -537,3 +537,26 @@ def test_pages_show_json_stored_nested_deeper_than_any_encoder_walks(
 
     assert admin_page.status_code == 200
     assert console_page.status_code == 200
+
+
+@pytest.mark.django_db
+def test_the_admin_cannot_schedule_code(admin_client):
+    """django-q2's admin let a superuser add a Schedule naming any importable callable, which
+    the workers would run (issue 17): its models are not in the admin at all."""
+    for url in (
+        "/admin/django_q/schedule/add/",
+        "/admin/django_q/schedule/",
+        "/admin/django_q/ormq/",
+        "/admin/django_q/success/",
+        "/admin/django_q/failure/",
+    ):
+        assert admin_client.get(url).status_code == 404, url
+    response = admin_client.post(
+        "/admin/django_q/schedule/add/",
+        {"func": "os.system", "args": "'id'", "schedule_type": "O", "repeats": "-1"},
+    )
+    assert response.status_code == 404
+    from django_q.models import Schedule
+
+    assert not Schedule.objects.exists()
+    assert b"django_q" not in admin_client.get("/admin/").content

@@ -265,3 +265,79 @@ def test_audit_verify_finds_a_truncated_audit_log_from_a_recorded_head():
 def test_audit_verify_rejects_a_malformed_head():
     with pytest.raises(CommandError, match="64-character hex"):
         call_command("audit_verify", audit_head="nothex")
+
+
+# --- pinned heads: an emptied or rewound table ---------------------------------------------------
+
+
+def _empty(table: str, where: str = "") -> None:
+    """Rows removed by someone who got past the guards (on PostgreSQL: a superuser switching
+    triggers off for the test's transaction)."""
+    if connection.vendor == "postgresql":
+        _raw("SET CONSTRAINTS ALL IMMEDIATE", [])
+        _raw("SET LOCAL session_replication_role = replica", [])
+    _raw(f"DELETE FROM {table} {where}", [])
+    if connection.vendor == "postgresql":
+        _raw("SET LOCAL session_replication_role = origin", [])
+
+
+@pytest.mark.django_db
+def test_a_written_head_is_still_there_after_more_entries(finished_run, tmp_path, capsys):
+    head = tmp_path / "head.json"
+    _entries(2)
+    call_command("audit_verify", write_head=str(head))
+    _entries(1)
+    call_command("audit_verify", expect_head=str(head), write_head=str(head))
+    out = capsys.readouterr().out
+    assert f"every entry and event of the head {head} is there" in out
+    assert '"count": 3' in head.read_text()
+
+
+@pytest.mark.django_db
+def test_an_emptied_audit_log_fails_against_the_head(tmp_path):
+    head = tmp_path / "head.json"
+    _entries(2)
+    call_command("audit_verify", write_head=str(head))
+    _empty("runs_auditentry")
+    # the chain itself is intact, and empty
+    call_command("audit_verify")
+    with pytest.raises(CommandError, match="audit entries: the newest one .* is gone"):
+        call_command("audit_verify", expect_head=str(head))
+
+
+@pytest.mark.django_db
+def test_emptied_events_fail_against_the_head(finished_run, tmp_path):
+    from runs.audit import chain_head, head_problems
+
+    head = chain_head()
+    _empty("runs_runevent")
+    # the runs still count their events: the chain check alone already says so
+    with pytest.raises(CommandError, match=f"run {finished_run.id} .* 0 stored"):
+        call_command("audit_verify")
+    # with the runs gone too, only the head does
+    (problem, counted) = head_problems(head)
+    assert problem.startswith("events: the newest one when the head was recorded")
+    assert counted.startswith(f"events: {head['events']['count']} existed up to id")
+
+
+@pytest.mark.django_db
+def test_a_rewound_audit_log_fails_against_the_head(tmp_path):
+    first, second, third = _entries(3)
+    head = tmp_path / "head.json"
+    call_command("audit_verify", write_head=str(head))
+    _empty("runs_auditentry", f"WHERE id >= {second.id}")
+    # re-appended after the cut: a chain that verifies, with a different newest entry
+    _entries(2)
+    call_command("audit_verify")
+    with pytest.raises(CommandError, match="head does not match"):
+        call_command("audit_verify", expect_head=str(head))
+
+
+@pytest.mark.django_db
+def test_expect_head_refuses_a_file_that_is_not_a_head(tmp_path):
+    bad = tmp_path / "head.json"
+    bad.write_text('{"format": "something-else"}')
+    with pytest.raises(CommandError, match="not an audit head"):
+        call_command("audit_verify", expect_head=str(bad))
+    with pytest.raises(CommandError, match="cannot read"):
+        call_command("audit_verify", expect_head=str(tmp_path / "missing.json"))

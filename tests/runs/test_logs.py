@@ -111,3 +111,45 @@ def test_a_worker_in_production_log_format_writes_json_lines(worker_procs, sandb
     assert {r["worker"] for r in checkpoints} == {"json-1"}
     boundaries = {name for r in checkpoints for name in r["boundary"].split("+")}
     assert {"claimed", "decided", "run_finished"} <= boundaries
+
+
+# --- link tokens (issue 17) ---------------------------------------------------------------------
+
+TOKEN = "AbCdEfGhIjKlMnOpQrStUvWxYz0123456789_-abcde"
+
+
+def test_link_tokens_are_redacted_from_gunicorn_access_records():
+    from runs.logs import RedactLinkTokens
+
+    atoms = {
+        "r": f"GET /approvals/link/{TOKEN}/ HTTP/1.1",
+        "f": f"https://agentops.example.com/questions/link/{TOKEN}/",
+        "q": f"next=%2Fapprovals%2Flink%2F{TOKEN}%2F",
+        "s": "200",
+    }
+    record = logging.LogRecord(
+        "gunicorn.access", logging.INFO, __file__, 1, '"%(r)s" %(s)s "%(f)s" %(q)s', (atoms,), None
+    )
+    assert RedactLinkTokens().filter(record)
+    message = record.getMessage()
+    assert TOKEN not in message
+    assert "/approvals/link/[redacted]/" in message and "/questions/link/[redacted]/" in message
+    assert "%2Flink%2F[redacted]%2F" in message
+
+
+def test_link_tokens_are_redacted_from_django_request_warnings(rf):
+    from runs.logs import JsonFormatter, RedactLinkTokens
+
+    request = rf.get(f"/approvals/link/{TOKEN}/")
+    record = logging.LogRecord(
+        "django.request", logging.WARNING, __file__, 1, "Not Found: %s", (request.path,), None
+    )
+    record.request = request
+    record.status_code = 404
+    RedactLinkTokens().filter(record)
+    line = JsonFormatter().format(record)
+    assert TOKEN not in line and "link/[redacted]/" in line
+    # other paths are left alone
+    other = logging.LogRecord("x", logging.INFO, __file__, 1, "GET /runs/%s/", ("abc",), None)
+    RedactLinkTokens().filter(other)
+    assert other.getMessage() == "GET /runs/abc/"

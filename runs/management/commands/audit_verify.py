@@ -1,19 +1,25 @@
-"""``python manage.py audit_verify [--run ID] [--audit-head HASH]``: walk the hash chains.
+"""``python manage.py audit_verify [--run ID] [--audit-head HASH] [--expect-head FILE]
+[--write-head FILE]``: walk the hash chains.
 
 Without ``--run``: every run's event chain, then the audit entry chain; with ``--run``: that
 run's chain only. Exits 1 naming the first broken link. Prints the audit log's head hash: keep
 it somewhere else (a ticket, a log shipper) and pass it as ``--audit-head`` later to prove the
-log was not cut short or rewritten since.
+log was not cut short or rewritten since. ``--write-head FILE`` records the newest entry and
+event and their counts as JSON after a clean check; ``--expect-head FILE`` fails unless all of
+them are still there — an emptied or rewound table verifies as an intact chain otherwise.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import uuid
+from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
 from django.db import OperationalError
 
-from runs.audit import verify_all, verify_entries
+from runs.audit import chain_head, head_problems, verify_all, verify_entries
 from runs.models import Run
 
 
@@ -27,6 +33,20 @@ class Command(BaseCommand):
             default=None,
             metavar="HASH",
             help="an audit head hash printed by an earlier run: fail unless it is still in the chain",
+        )
+        parser.add_argument(
+            "--expect-head",
+            default=None,
+            metavar="FILE",
+            help="a head written by --write-head: fail unless every entry and event it "
+            "counted is still there (detects an emptied or rewound table)",
+        )
+        parser.add_argument(
+            "--write-head",
+            default=None,
+            metavar="FILE",
+            help="after a clean check, write the current head to FILE (keep it outside the "
+            "database's reach; may be the --expect-head file)",
         )
 
     def handle(self, *args, **options):
@@ -46,8 +66,20 @@ class Command(BaseCommand):
                 raise CommandError("--audit-head must be a 64-character hex hash")
             if run_ids is not None:
                 raise CommandError("--audit-head checks the audit log; it cannot go with --run")
+        if run_ids is not None and (options["expect_head"] or options["write_head"]):
+            raise CommandError("--expect-head and --write-head cover everything; not with --run")
+        pinned = None
+        if options["expect_head"]:
+            try:
+                pinned = json.loads(Path(options["expect_head"]).read_text())
+            except (OSError, ValueError) as exc:
+                raise CommandError(
+                    f"--expect-head: cannot read {options['expect_head']}: {exc}"
+                ) from None
         checked = 0
         try:
+            # before the walk: everything the written head counts is then verified below
+            head = chain_head() if options["write_head"] else None
             for _run, broken in verify_all(run_ids):
                 if broken is not None:
                     raise CommandError(f"broken chain: {broken}")
@@ -56,6 +88,9 @@ class Command(BaseCommand):
             if run_ids is not None:
                 return
             result = verify_entries(expected_head=expected_head)
+            problems = head_problems(pinned) if pinned is not None else []
+        except ValueError as exc:
+            raise CommandError(f"--expect-head: {exc}") from None
         except OperationalError as exc:
             raise CommandError(
                 f"cannot reach the database: {str(exc).strip().splitlines()[0]}"
@@ -67,8 +102,31 @@ class Command(BaseCommand):
                 f"broken chain: audit head {expected_head} is no longer in the audit log "
                 "(entries were removed from its end or rewritten)"
             )
+        if problems:
+            raise CommandError("head does not match: " + "; ".join(problems))
         self.stdout.write(
             f"ok: {result.checked} audit entr{'y' if result.checked == 1 else 'ies'} intact; "
             f"audit head {result.head}"
             + (f" (entry {result.head_id})" if result.head_id is not None else "")
         )
+        if pinned is not None:
+            self.stdout.write(
+                f"ok: every entry and event of the head {options['expect_head']} is there"
+            )
+        elif not options["write_head"]:
+            self.stdout.write(
+                "note: no --expect-head given: an emptied or rewound table looks like a new one"
+            )
+        if options["write_head"]:
+            _write_atomically(Path(options["write_head"]), json.dumps(head, indent=2) + "\n")
+            self.stdout.write(f"head written to {options['write_head']}")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    # a crash while writing must not leave a truncated head that fails every later check
+    temporary = path.with_name(path.name + ".tmp")
+    with open(temporary, "w") as file:
+        file.write(text)
+        file.flush()
+        os.fsync(file.fileno())
+    os.replace(temporary, path)
