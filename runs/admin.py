@@ -53,6 +53,7 @@ from runs.models import (
     ApiToken,
     AuditEntry,
     IdempotentRequest,
+    OutboxMessage,
     Question,
     QuestionLink,
     Run,
@@ -61,7 +62,6 @@ from runs.models import (
     Step,
     ToolCall,
     ToolReceipt,
-    OutboxMessage,
     WebhookDelivery,
     Worker,
 )
