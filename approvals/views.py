@@ -12,12 +12,9 @@ from typing import Any
 from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required, permission_required
-from django.contrib.auth.views import redirect_to_login
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
-from django.urls import reverse
 from django.utils import timezone
-from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods, require_POST
 from django_htmx.middleware import HtmxDetails
@@ -42,6 +39,7 @@ from runs.actors import Actor, PermissionDenied
 from runs.forms import UnclippedCharField
 from runs.masking import masker_for, maskers_for
 from runs.services import InvalidInput
+from runs.views.link_sign_in import link_after_sign_in, sign_in_url_keeping_the_link
 
 # what a decision's comment may hold (ApprovalDecision.comment is free text)
 COMMENT_MAX = 2000
@@ -243,24 +241,13 @@ def _link_state(link) -> str:
     return "confirm"
 
 
-# The link's path holds its token: as the sign-in page's ``next=`` it would be written to
-# access logs, the login form and the Referer of everything that page loads. The path waits
-# in the session instead (signing in keeps the session's data), and ``next=`` names a page
-# without a secret that sends the person on.
-_LINK_AFTER_SIGN_IN = "agentops_link_after_sign_in"
-
-
 def _sign_in_url_keeping_the_link(request: HttpRequest) -> str:
-    request.session[_LINK_AFTER_SIGN_IN] = request.path
-    return redirect_to_login(reverse("approvals:link_after_sign_in"))["Location"]
+    return sign_in_url_keeping_the_link(request, after="approvals:link_after_sign_in")
 
 
 @login_required
 def approval_link_after_sign_in(request: HttpRequest) -> HttpResponse:
-    path = request.session.pop(_LINK_AFTER_SIGN_IN, None)
-    if not path or not url_has_allowed_host_and_scheme(path, allowed_hosts=None):
-        return redirect("approvals:inbox")
-    return redirect(path)
+    return link_after_sign_in(request, fallback="approvals:inbox")
 
 
 _LINK_STATUS = {"confirm": 200, "decided": 200, "expired": 410, "cancelled": 410}

@@ -450,6 +450,10 @@ class LinkUsed(InvalidState):
     code = "already_decided"
 
 
+class LinkLoginRequired(PermissionDenied):
+    """An emailed link answers only for its recipient, signed in."""
+
+
 class LinkNotYours(PermissionDenied):
     """Someone signed in as another person opened a link mailed to someone else."""
 
@@ -469,9 +473,11 @@ def question_link_get(token: str) -> QuestionLink:
 
 
 def question_link_check_user(link: QuestionLink, user: Any) -> None:
-    """The token identifies its recipient; a signed-in user must be that recipient (the
-    answer is recorded under the recipient's name)."""
-    if user is not None and user.is_authenticated and user.pk != link.recipient_id:
+    """A link answers only for its recipient, signed in (DESIGN §9, as approval links): the
+    token alone — a forwarded email, a mail scanner — answers nothing in their name."""
+    if user is None or not user.is_authenticated:
+        raise LinkLoginRequired("sign in as the person this link was sent to, to answer")
+    if user.pk != link.recipient_id:
         raise LinkNotYours(
             f"this link was sent to {link.recipient.get_username()}; "
             f"you are signed in as {user.get_username()}"

@@ -390,20 +390,10 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
 }
 
 
-# Known gap, left for the next slice of issue 16 (docs/api.md says so): an emailed question
-# link is a bearer token — whoever holds it (a forwarded email) answers, anonymously, in the
-# name of its recipient. Approval links need their signed-in recipient (item 3); question
-# links do not yet. A signed-in non-recipient is refused.
-KNOWN_GAPS = {("link answer question", "anonymous")}
-
-
 def _cases():
     for action in ACTIONS:
         for role in ROLES:
-            marks = []
-            if (action, role) in KNOWN_GAPS:
-                marks.append(pytest.mark.xfail(strict=True, reason="question links are bearer"))
-            yield pytest.param(action, role, marks=marks, id=f"{action}-{role}")
+            yield pytest.param(action, role, id=f"{action}-{role}")
 
 
 @pytest.mark.parametrize(("action", "role"), list(_cases()))

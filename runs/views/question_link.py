@@ -2,7 +2,8 @@
 
 GET (and HEAD) only renders the question with an answer form: mail scanners and link
 previews open links, and must answer nothing. POST answers, through
-``runs.waits.question_link_answer``, as the link's recipient on channel ``email``.
+``runs.waits.question_link_answer``, as the link's recipient on channel ``email`` — signed in
+as that recipient: whoever else holds the link (a forwarded email) is asked to sign in.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse
-from django.shortcuts import render
+from django.shortcuts import redirect, render
 from django.utils import timezone
 from django.views.decorators.cache import never_cache
 from django.views.decorators.http import require_http_methods
@@ -20,6 +21,9 @@ from runs.actors import PermissionDenied
 from runs.masking import masker_for
 from runs.models import Question, QuestionLink
 from runs.services import InvalidInput
+from runs.views.link_sign_in import sign_in_url_keeping_the_link
+
+AFTER_SIGN_IN = "runs:question_link_after_sign_in"
 
 # the HTTP status of each state's page: a link that can no longer answer is gone (410)
 _STATUS = {"confirm": 200, "answered": 200, "expired": 410, "cancelled": 410, "refused": 403}
@@ -52,6 +56,8 @@ def _page(
     answer: str = "",
 ) -> HttpResponse:
     context: dict[str, Any] = {"state": state, "error": error, "link": link, "answer": answer}
+    if state == "login":
+        context["sign_in_url"] = sign_in_url_keeping_the_link(request, after=AFTER_SIGN_IN)
     if link is not None:
         question = link.question
         context.update(
@@ -82,6 +88,11 @@ def question_link(request: HttpRequest, token: str) -> HttpResponse:
         waits.question_link_check_user(link, request.user)
     except waits.LinkNotYours as exc:
         return _page(request, "not_yours", link=link, status=403, error=str(exc))
+    except waits.LinkLoginRequired:
+        if request.method == "POST":
+            return redirect(sign_in_url_keeping_the_link(request, after=AFTER_SIGN_IN))
+        state = _state(link)
+        return _page(request, "login" if state == "confirm" else state, link=link)
     if request.method != "POST":
         return _page(request, _state(link), link=link)
 

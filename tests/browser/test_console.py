@@ -319,13 +319,19 @@ def test_answering_a_question_in_the_console_lets_the_worker_continue(
     )
 
 
-def test_an_emailed_question_link_answers_without_signing_in(page, console_user):
+def test_an_emailed_question_link_answers_once_its_recipient_signs_in(page, console_user):
     expect = _expect()
     run = _onboarding_waiting(console_user)  # the test's commit sends the emails
     (message,) = [m for m in mail.outbox if "oscar@example.com" in m.to]
     path = re.search(r"/questions/link/[A-Za-z0-9_-]+/", message.body).group(0)
 
-    page.goto(path)
+    page.goto(path)  # the link alone answers nothing in oscar's name
+    expect(page.get_by_role("heading", name="Sign in to answer")).to_be_visible()
+    page.get_by_role("link", name="Sign in as oscar").click()
+    page.get_by_label("Username").fill("oscar")
+    page.get_by_label("Password").fill(PASSWORD)
+    page.get_by_role("button", name="Sign in").click()
+    # back on the link, signed in
     expect(page.get_by_role("heading", name="Which plan should Acme start on?")).to_be_visible()
     shot(page, "question-link", doc="question-link")
     assert Question.objects.get(run=run).status == Question.Status.OPEN  # opening is not answering

@@ -28,7 +28,7 @@ def test_seed_demo_creates_a_sign_in_and_demo_runs_once(capsys):
     assert demo.has_perm("runs.view_run") and demo.has_perm("approvals.decide_approval")
     # a second approver decides what demo starts (nobody approves their own run)
     second = re.search(r"sign-in 'demo-approver' with password (\S+)", out).group(1)
-    approver = authenticate(username="demo-approver", password=second)
+    approver = authenticate(sign_in, username="demo-approver", password=second)
     assert set(approver.groups.values_list("name", flat=True)) == {"approver", "viewer"}
     assert approver.has_perm("approvals.decide_approval")
     assert not approver.has_perm("runs.start_run")

@@ -96,9 +96,17 @@ def _asked(capture, system_actor, **input) -> tuple[Run, Question]:
     return run, Question.objects.get(run=run)
 
 
+def _recipient_client(token: str, **kwargs) -> Client:
+    """A browser signed in as the link's recipient: a link answers only for them."""
+    browser = Client(**kwargs)
+    browser.force_login(QuestionLink.objects.get(token_hash=hash_token(token)).recipient)
+    return browser
+
+
 def _csrf_client(token: str) -> tuple[Client, str]:
-    """A browser that opened the link (which sets the CSRF cookie), as a person would."""
-    browser = Client(enforce_csrf_checks=True)
+    """The recipient's browser, signed in, having opened the link (which sets the CSRF
+    cookie), as a person would."""
+    browser = _recipient_client(token, enforce_csrf_checks=True)
     assert browser.get(link(token)).status_code in (200, 403, 410)
     return browser, browser.cookies["csrftoken"].value
 
@@ -138,8 +146,24 @@ def test_a_question_is_answered_through_its_emailed_link_over_real_smtp(
     (sent,) = events(run.id, "question.email_sent")
     assert (sent.channel, sent.payload["to"]) == ("email", "olivia")
 
-    browser = Client(enforce_csrf_checks=True)
-    page = browser.get(link(token))  # what a mail scanner does, too
+    # the link alone (a mail scanner, a forwarded email) asks for a sign-in and answers nothing
+    scanner = Client(enforce_csrf_checks=True)
+    asked = scanner.get(link(token))
+    assert asked.status_code == 200
+    assert b"Sign in to answer" in asked.content and b'name="answer"' not in asked.content
+    # next= names no token: the link's path waits in the session (docs/approvals.md)
+    assert b'href="/accounts/login/?next=/questions/signed-in/"' in asked.content
+    csrf = scanner.cookies["csrftoken"].value
+    blind = scanner.post(link(token), {"answer": "pro", "csrfmiddlewaretoken": csrf})
+    assert blind.status_code == 302 and token not in blind["Location"]
+    question.refresh_from_db()
+    assert question.status == Question.Status.OPEN
+    # signing in sends the recipient back to the link
+    scanner.force_login(olivia)
+    assert scanner.get("/questions/signed-in/")["Location"] == link(token)
+
+    browser = _recipient_client(token, enforce_csrf_checks=True)
+    page = browser.get(link(token))
 
     assert page.status_code == 200
     assert b"Which plan should Acme start on?" in page.content
@@ -472,7 +496,7 @@ def test_the_same_link_used_twice_at_once_answers_once(system_actor, olivia, osc
     def by_link(name: str, answer: str) -> None:
         try:
             barrier.wait()
-            response = Client().post(link(token), {"answer": answer})
+            response = _recipient_client(token).post(link(token), {"answer": answer})
             outcomes[name] = "won" if response.status_code == 200 else str(response.status_code)
         finally:
             close_connection()
