@@ -477,10 +477,8 @@ def checkpoint(
             cp = Checkpoint(run=run, actor=actor, channel=channel, fence=fence)
             # registered before the body, read after it: the fault points fire right after
             # the commit, before whatever the body asked to run after it (an outbox email's
-            # send, runs.outbox): a kill at a boundary is a kill at the commit. Only where a
-            # fault is configured: elsewhere it would be one more callback per commit.
-            if faults.armed():
-                transaction.on_commit(partial(_crash_points_now, cp))
+            # send, runs.outbox): a kill at a boundary is a kill at the commit
+            transaction.on_commit(partial(_crash_points_now, cp))
             yield cp
             _write(cp, renew_lease=renew_lease)
     # in-process latency histogram (runs/metrics.py): lock, append, update, commit

@@ -99,11 +99,6 @@ def _current_specs() -> dict[str, CrashSpec | None]:
     return _specs
 
 
-def armed() -> bool:
-    """Whether any fault point can fire in this process (a crash or pause is configured)."""
-    return any(spec is not None for spec in _current_specs().values())
-
-
 def reset() -> None:
     """Forget the parsed specs and counts (tests change the environment)."""
     global _loaded
