@@ -16,9 +16,9 @@ from approvals import notify, selectors
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs.actors import Actor, PermissionDenied
 from runs.dbtime import db_now
-from runs.events import checkpoint
 from runs.masking import UNMASKED, maskers_for_ids
 from runs.models import ToolCall
+from runs.record.checkpoint import checkpoint
 from runs.registry import UnknownTool, digest, registry
 from runs.services import InvalidInput, InvalidState, toolcall_gate_settled
 

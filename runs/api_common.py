@@ -24,8 +24,8 @@ from rest_framework.views import set_rollback
 from runs.actors import Actor, run_read_scope
 from runs.actors import PermissionDenied as ActorPermissionDenied
 from runs.api_parsers import JsonInputRefused
-from runs.events import LeaseLost, RunNotFound
 from runs.models import ApiToken
+from runs.record.checkpoint import LeaseLost, RunNotFound
 from runs.registry import UnknownAgent, UnknownTool
 
 # contract codes (issue 6) → status

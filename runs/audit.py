@@ -1,7 +1,7 @@
 """The audit record: verifying the run event chains, and the chained ``AuditEntry`` log of
 actions outside any run (issue 8).
 
-**Run events** (``RunEvent``) are written by ``runs.events.checkpoint`` only. Verification
+**Run events** (``RunEvent``) are written by ``runs.record.checkpoint.checkpoint`` only. Verification
 proves every stored event still hashes to its stored hash over its own fields and its payload
 digest, each links to the event before it (the first to the run's id), sequence numbers have
 no gap, and the run's recorded head (``event_seq``, ``last_event_hash``) matches the last
@@ -37,8 +37,8 @@ from django.db import connections, router, transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from runs.events import anchor_hash, event_hash, payload_digest
 from runs.models import AuditEntry, Run, RunEvent
+from runs.record.checkpoint import anchor_hash, event_hash, payload_digest
 
 # --- run event chains -------------------------------------------------------------------------
 
@@ -676,8 +676,8 @@ def run_prune(
     """Empty one terminal run's bulky data and append ``run.pruned``, in one transaction with
     the run row locked. Returns what was emptied, or None when the run was pruned meanwhile
     (another prune) — then nothing is written."""
-    from runs.events import checkpoint
     from runs.models import Step, ToolCall, ToolReceipt
+    from runs.record.checkpoint import checkpoint
 
     with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
         if cp.run.status not in Run.TERMINAL:

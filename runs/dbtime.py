@@ -24,7 +24,7 @@ class DbNow:
     """A datetime field's value in a row the engine writes: the writing statement's own
     database time (``STATEMENT_TIMESTAMP()``) plus ``offset`` seconds — for times that must
     not depend on a worker's estimate of the clock (a dispatch's deadlines, DESIGN §9). The
-    checkpoint's statement (``runs.events``) and ``runs.fastsql.insert`` compute it in the
+    checkpoint's statement (``runs.record.checkpoint``) and ``runs.record.rows.insert`` compute it in the
     database; SQLite has no server, its database time is this host's clock. After the write
     the attribute is None: read the value back when it is needed."""
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from runs.events import Checkpoint
     from runs.models import Run, ToolCall
+    from runs.record.checkpoint import Checkpoint
     from runs.registry import Tool
 
 

@@ -41,8 +41,8 @@ from django.conf import settings
 from django.db import connection
 
 from runs import metrics
-from runs.events import checkpoint
 from runs.models import Run, ToolCall
+from runs.record.checkpoint import checkpoint
 from runs.registry import (
     Action,
     Agent,

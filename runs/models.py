@@ -457,7 +457,7 @@ class RunEventQuerySet(models.QuerySet):
 
 
 class RunEvent(models.Model):
-    """Append-only: appended only through ``runs.events.checkpoint``."""
+    """Append-only: appended only through ``runs.record.checkpoint.checkpoint``."""
 
     class Channel(models.TextChoices):
         WEB = "web"

@@ -343,7 +343,7 @@ def attempt_on_timeline(
     is retried). The recipient is named by username, as everywhere on the timeline."""
     from django.contrib.auth import get_user_model
 
-    from runs.events import checkpoint
+    from runs.record.checkpoint import checkpoint
 
     if row.run_id is None:
         return

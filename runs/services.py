@@ -16,12 +16,12 @@ from django.db import models, transaction
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import transitions
 from runs.actors import Actor
-from runs.events import Checkpoint, checkpoint
 from runs.gate import get_gate
 from runs.models import Question, Run, RunEvent, Signal, Step, ToolCall, ToolReceipt
 from runs.queue import enqueue_on_commit
+from runs.record import transitions
+from runs.record.checkpoint import Checkpoint, checkpoint
 from runs.registry import Effect, UnknownAgent, UnknownTool, registry
 
 

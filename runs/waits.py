@@ -30,12 +30,13 @@ from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import notify, transitions
+from runs import notify
 from runs.actors import Actor, PermissionDenied
 from runs.dbtime import db_now
-from runs.events import Checkpoint, checkpoint
 from runs.models import Question, QuestionLink, Run, Signal, Step
 from runs.queue import enqueue_on_commit
+from runs.record import transitions
+from runs.record.checkpoint import Checkpoint, checkpoint
 from runs.registry import (
     Agent,
     AskQuestion,

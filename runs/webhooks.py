@@ -14,7 +14,7 @@ A token receives the events of runs whose principal is the token's principal, an
 runs of the remote agents its principal owns (the agent role: the process that drives them
 learns there when to lease again). Each becomes a
 ``WebhookDelivery`` row written *inside the transaction that appends the event*
-(``runs.events.register_event_listener``): an event that commits always gets its delivery,
+(``runs.record.checkpoint.register_event_listener``): an event that commits always gets its delivery,
 a rolled-back one never does. Deliveries are outbox rows (``runs.outbox``, DESIGN §9):
 every worker's sweeper sends the due ones (``webhooks_deliver_due``) outside any
 transaction — claimed, checked just before the request leaves, marked after — retrying
@@ -49,9 +49,9 @@ from django.db.models import Q
 from django.db.models.functions import Now
 
 from runs import faults, outbox
-from runs.events import Checkpoint, register_event_listener
 from runs.masking import UNMASKED, maskers_for_ids
 from runs.models import ApiToken, WebhookDelivery
+from runs.record.checkpoint import Checkpoint, register_event_listener
 
 log = logging.getLogger(__name__)
 

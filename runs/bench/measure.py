@@ -263,7 +263,7 @@ class QueryLog:
         verb = sql.lstrip().split(None, 1)[0].upper()
         if not connection.in_atomic_block and (
             verb in ("INSERT", "UPDATE", "DELETE")
-            # a checkpoint's one statement (runs.events): data-modifying CTEs
+            # a checkpoint's one statement (runs.record.checkpoint): data-modifying CTEs
             or (verb == "WITH" and any(w in sql for w in ("INSERT INTO", "UPDATE ", "DELETE ")))
         ):
             self.writes_outside_atomic += 1

@@ -50,7 +50,7 @@ from runs.engine.toolcalls import (
     _record_receipt,
     presend_row,
 )
-from runs.events import lease_expiry_expression
+from runs.record.checkpoint import lease_expiry_expression
 
 __all__ = [
     "Lease",

@@ -13,8 +13,8 @@ from django.db.models.functions import Now
 
 from runs import waits
 from runs.engine.lease import Lease, _conf
-from runs.events import lease_expiry_expression
 from runs.models import AgentManifest, Run, Step
+from runs.record.checkpoint import lease_expiry_expression
 from runs.registry import UnknownAgent, registry
 
 

@@ -8,7 +8,7 @@ from typing import Any
 from django.db.models import F
 from django.utils import timezone
 
-from runs import fastsql, transitions, waits
+from runs import waits
 from runs.engine.lease import (
     Lease,
     Outcome,
@@ -28,9 +28,10 @@ from runs.engine.toolcalls import (
     _record_receipt,
     _storage_notes,
 )
-from runs.events import Checkpoint
 from runs.gate import gate_installed, get_gate
 from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.record import rows, transitions
+from runs.record.checkpoint import Checkpoint
 from runs.registry import (
     AGENT_FAIL_CODES,
     AskQuestion,
@@ -195,7 +196,7 @@ def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tr
             if at_commit:
                 cp.insert(call)
             else:
-                fastsql.insert(call)
+                rows.insert(call)
     run.steps_used += 1
     lease.steps.append(step)
     if revoked or needs_approval:
@@ -214,7 +215,7 @@ def _record_decided(
     if at_commit:
         cp.insert(step)
     else:
-        fastsql.insert(step)
+        rows.insert(step)
     call.step = step
     cp.event(
         "step.decided",
@@ -247,7 +248,7 @@ def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) ->
         with lease.checkpoint() as cp:
             _record_decided(cp, lease, step, call)
             _mark_dispatching(cp, call, lease, tool)
-            fastsql.insert(call)
+            rows.insert(call)
         lease.run.steps_used += 1
         lease.steps.append(step)
         _mark_unknown(lease, call, error)
@@ -445,7 +446,7 @@ def _decide_family_call(
         else:
             if execute:
                 _mark_dispatching(cp, call, lease, tool)
-            fastsql.insert(call)
+            rows.insert(call)
     run.steps_used += 1
     lease.steps.append(step)
     if adopt:

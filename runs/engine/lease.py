@@ -20,10 +20,10 @@ from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import fastsql
-from runs.events import LIVE_FIELDS, Checkpoint, checkpoint
 from runs.models import Run, Step
 from runs.queue import enqueue_on_commit
+from runs.record import rows
+from runs.record.checkpoint import LIVE_FIELDS, Checkpoint, checkpoint
 from runs.registry import Agent, Tool, Usage
 
 # one logger for the whole engine, named as before the split: log filters and the
@@ -248,7 +248,7 @@ def _finish(
             if at_commit:
                 cp.insert(step)
             else:
-                fastsql.insert(step)
+                rows.insert(step)
             lease.steps.append(step)
             cp.event("step.decided", seq=seq, kind=kind)
             cp.update(steps_used=F("steps_used") + 1)

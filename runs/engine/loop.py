@@ -11,7 +11,7 @@ from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any
 
-from runs import logs, services, tracing, transitions
+from runs import logs, services, tracing
 from runs.engine import serving
 from runs.engine.claim import claim
 from runs.engine.continuing import _continue_step
@@ -30,8 +30,9 @@ from runs.engine.lease import (
     log,
 )
 from runs.engine.toolcalls import _LeaseKeeper
-from runs.events import LeaseLost, checkpoint
 from runs.models import Run, Step
+from runs.record import transitions
+from runs.record.checkpoint import LeaseLost, checkpoint
 from runs.registry import Decision, DecisionContext, DecisionPostponed, ModelWithdrawn, StepView
 
 

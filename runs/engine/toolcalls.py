@@ -16,7 +16,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import jsonlimits, transitions
+from runs import jsonlimits
 from runs.dbtime import DbNow, db_now, db_now_expression
 from runs.engine.lease import (
     Lease,
@@ -30,9 +30,10 @@ from runs.engine.lease import (
     _release_in,
     log,
 )
-from runs.events import LeaseLost, lease_expiry_expression
 from runs.gate import GateRefused, get_gate
 from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.record import transitions
+from runs.record.checkpoint import LeaseLost, lease_expiry_expression
 from runs.registry import (
     Effect,
     LookupResult,

@@ -19,8 +19,8 @@ from django.db.models.functions import Now
 from runs import engine
 from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
-from runs.events import LeaseLost, RunNotFound, checkpoint
 from runs.models import AgentManifest, Run, Step, ToolCall
+from runs.record.checkpoint import LeaseLost, RunNotFound, checkpoint
 from runs.registry import Effect, Tool, UnknownTool, registry
 from runs.remote.manifest import is_remote
 from runs.remote.resume import resume_packet

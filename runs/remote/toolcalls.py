@@ -16,8 +16,8 @@ from django.utils import timezone
 from runs import engine
 from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
-from runs.events import LeaseLost
 from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.record.checkpoint import LeaseLost
 from runs.registry import CallTool, Effect, Resend, Tool, UnknownTool, digest, registry
 from runs.remote.lease import (
     RemoteLease,

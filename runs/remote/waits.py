@@ -13,8 +13,8 @@ from django.utils import timezone
 from runs import engine, waits
 from runs.actors import Actor
 from runs.dbtime import db_now
-from runs.events import Checkpoint, checkpoint
 from runs.models import Question, Run, Step
+from runs.record.checkpoint import Checkpoint, checkpoint
 from runs.registry import Agent, AskQuestion, Sleep, UnknownAgent, WaitForSignal, registry
 from runs.remote.lease import (
     WAITING_FOR_PROCESS,

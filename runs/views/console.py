@@ -27,10 +27,10 @@ from django.views.decorators.http import require_http_methods, require_POST
 from runs import jsonlimits, selectors, services
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
-from runs.events import RunNotFound
 from runs.forms import UnclippedCharField
 from runs.masking import maskers_for
 from runs.models import Run
+from runs.record.checkpoint import RunNotFound
 from runs.registry import UnknownAgent, registry
 from runs.timeline import EVENT_TYPES
 from runs.views import HtmxHttpRequest

@@ -32,9 +32,9 @@ from django_htmx.middleware import HtmxDetails
 from runs import jsonlimits, masking, selectors, services, timeline
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
-from runs.events import RunNotFound
 from runs.forms import UnclippedCharField
 from runs.models import Run, ToolCall
+from runs.record.checkpoint import RunNotFound
 from runs.registry import UnknownAgent, registry
 
 OPERATE = "runs.operate_run"

@@ -308,7 +308,7 @@ def test_a_delivery_connects_to_the_address_it_checked(monkeypatch, hooked, leas
 
 @pytest.mark.django_db(transaction=True)
 def test_a_hosted_run_finished_by_a_worker_gets_its_delivery(register, hooked, operator):
-    """A worker records a finish without locking the run first (runs.events,
+    """A worker records a finish without locking the run first (runs.record.checkpoint,
     ``checkpoint(expect=...)``): the delivery is still written in the same commit as the
     event that causes it."""
     register(ScriptedAgent("hooked_quick", lambda ctx: Finish({"ok": True}), tools=()))

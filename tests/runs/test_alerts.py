@@ -12,8 +12,8 @@ from django.utils import timezone
 
 from runs import alerts, outbox, sweeper
 from runs.actors import Actor
-from runs.events import checkpoint
 from runs.models import Alert, OutboxMessage, Run, Worker
+from runs.record.checkpoint import checkpoint
 from runs.services import run_create, run_retry_recovery
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("roles")]

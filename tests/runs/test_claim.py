@@ -11,8 +11,8 @@ from django.utils import timezone
 
 from runs import engine
 from runs.actors import Actor
-from runs.events import LeaseLost
 from runs.models import Run, RunEvent, Step
+from runs.record.checkpoint import LeaseLost
 from runs.registry import CallTool, Effect, Finish
 from runs.services import run_create, run_pause, run_terminate
 from tests.support import (

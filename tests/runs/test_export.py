@@ -14,8 +14,8 @@ from django.db import connection
 from django.test.utils import CaptureQueriesContext
 from django.utils import timezone
 
-from runs.events import checkpoint
 from runs.models import Run, RunEvent
+from runs.record.checkpoint import checkpoint
 from runs.services import run_create
 from tests.conftest import drive
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from runs import engine, transitions
+from runs import engine
 from runs.actors import Actor, PermissionDenied
-from runs.events import _crash_points_now
 from runs.models import Run, Signal, Step
+from runs.record import transitions
+from runs.record.checkpoint import _crash_points_now
 from runs.registry import CallTool, Finish, WaitForSignal
 from runs.services import InvalidState, run_create
 from runs.waits import SignalKeyReused, run_signal
@@ -92,7 +93,7 @@ def test_a_signal_to_a_waiting_run_makes_it_runnable_at_once(
     # it never shows waiting once its wait can end, and a wake-up is enqueued on commit
     assert (run.status, run.wake_at) == (Run.Status.QUEUED, None)
     assert run.enqueued_at is not None
-    # the wake-up; the other callback fires the commit's fault points (runs.events)
+    # the wake-up; the other callback fires the commit's fault points (runs.record.checkpoint)
     assert len([c for c in callbacks if getattr(c, "func", None) is not _crash_points_now]) == 1
     [signalled] = events(run.id, "run.signalled")
     assert signalled.payload["delivered"] == "waking"

@@ -28,6 +28,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from runs.llm import LLMAgent, ModelError, ModelUnavailable, ModelWithdrawn, call_records
 from runs.models import Run, RunEvent, Step, ToolCall
+from runs.record.transitions import step_view
 from runs.registry import (
     Action,
     AskQuestion,
@@ -43,7 +44,6 @@ from runs.registry import (
     mask,
     registry,
 )
-from runs.transitions import step_view
 
 DIVERGED = 3
 

@@ -26,8 +26,9 @@ from django.db.models.expressions import CombinedExpression
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import dbtime, fastsql, faults, metrics, tracing
+from runs import dbtime, faults, metrics, tracing
 from runs.models import Run, RunEvent
+from runs.record import rows
 
 
 class LeaseLost(Exception):
@@ -248,7 +249,7 @@ def _update_sql(
         else:
             shape.append((name, "value", None))
             # through the field (JSON, decimals)
-            params.append(fastsql.prepare(Run._meta.get_field(name), value))
+            params.append(rows.prepare(Run._meta.get_field(name), value))
     key = ("update", fence is not None, tuple(shape))
     if key not in _sql_cache:
         quote = connection.ops.quote_name
@@ -330,7 +331,7 @@ def _write_in_one_statement(cp: Checkpoint, update: tuple[str, list[Any]], expec
         params += [getattr(obj, attname).offset for attname in now_fields]
         params.append(_json({column: field.pre_save(obj, True) for column, field in plan}))
     for model, pk, values in cp.row_updates:
-        params += [fastsql.prepare(model._meta.get_field(name), v) for name, v in values.items()]
+        params += [rows.prepare(model._meta.get_field(name), v) for name, v in values.items()]
         params.append(model._meta.pk.get_db_prep_value(pk, connection))
     params.append(
         _json(
@@ -578,9 +579,9 @@ def _write(cp: Checkpoint, *, renew_lease: bool, unlocked: bool = False) -> bool
     else:
         for obj in cp.inserts:
             _link(obj, cp.inserts)
-            fastsql.insert(obj)
+            rows.insert(obj)
         for model, pk, values in cp.row_updates:
-            if fastsql.update(model, pk, **values) != 1:
+            if rows.update(model, pk, **values) != 1:
                 raise DatabaseError(f"{model.__name__} {pk} is gone: not updated")
         if cp.events:
             _insert_events(cp.events)

@@ -11,9 +11,9 @@ from typing import Any
 
 from django.utils import timezone
 
-from runs import fastsql
-from runs.events import Checkpoint
 from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.record import rows
+from runs.record.checkpoint import Checkpoint
 from runs.registry import Agent, StepView
 
 
@@ -61,8 +61,8 @@ def record_receipt(
         if not any(obj is call for obj in cp.inserts):
             cp.update_row(ToolCall, call.id, status=call.status, updated_at=timezone.now())
     else:
-        fastsql.insert(receipt)
-        fastsql.update(ToolCall, call.id, status=call.status, updated_at=timezone.now())
+        rows.insert(receipt)
+        rows.update(ToolCall, call.id, status=call.status, updated_at=timezone.now())
     cp.event(
         "tool.succeeded" if ok else "tool.failed",
         seq=call.step.seq,
@@ -111,7 +111,7 @@ def complete_step(
             completed_at=step.completed_at,
         )
     else:
-        fastsql.save_fields(step, ["status", "output", "error", "completed_at"])
+        rows.save_fields(step, ["status", "output", "error", "completed_at"])
     apply_to_state(cp, run=run, agent=agent, step=step)
 
 
@@ -119,6 +119,6 @@ def fail_step(cp: Checkpoint, *, run: Run, agent: Agent, step: Step, error: str)
     step.status = Step.Status.FAILED
     step.error = error
     step.completed_at = timezone.now()
-    fastsql.save_fields(step, ["status", "error", "completed_at"])
+    rows.save_fields(step, ["status", "error", "completed_at"])
     cp.event("step.failed", seq=step.seq, error=error)
     apply_to_state(cp, run=run, agent=agent, step=step)
