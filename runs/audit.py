@@ -38,7 +38,7 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from runs.models import AuditEntry, Run, RunEvent
-from runs.record.checkpoint import anchor_hash, event_hash, payload_digest
+from runs.record.chain import anchor_hash, event_hash, payload_digest
 
 # --- run event chains -------------------------------------------------------------------------
 

@@ -50,14 +50,14 @@ from runs.engine.toolcalls import (
     _record_receipt,
     presend_row,
 )
-from runs.record.checkpoint import lease_expiry_expression
+from runs.record.checkpoint import lease_expiry
 
 __all__ = [
     "Lease",
     "Outcome",
     "advance",
     "claim",
-    "lease_expiry_expression",
+    "lease_expiry",
     "presend_row",
     "set_stop_check",
     # the engine's own steps, for runs.remote (which calls them with execute=False) and tests

@@ -12,9 +12,10 @@ from django.db.models import F, Q
 from django.db.models.functions import Now
 
 from runs import waits
+from runs.dbtime import db_now_expression
 from runs.engine.lease import Lease, _conf
 from runs.models import AgentManifest, Run, Step
-from runs.record.checkpoint import lease_expiry_expression
+from runs.record.checkpoint import lease_expiry
 from runs.registry import UnknownAgent, registry
 
 
@@ -89,7 +90,7 @@ def _take_lease_orm(run_id: Any, *, worker: str, remote: bool) -> tuple[Run, boo
         .update(
             fence=F("fence") + 1,
             lease_owner=worker,
-            lease_expires_at=lease_expiry_expression(),
+            lease_expires_at=db_now_expression(lease_expiry()),
             status=Run.Status.RUNNING,
             recovery_count=F("recovery_count") + (1 if recovered else 0),
             wake_at=None,

@@ -23,7 +23,8 @@ from django.utils import timezone
 from runs.models import Run, Step
 from runs.queue import enqueue_on_commit
 from runs.record import rows
-from runs.record.checkpoint import LIVE_FIELDS, Checkpoint, checkpoint
+from runs.record.checkpoint import Checkpoint, checkpoint
+from runs.record.common import LIVE_FIELDS
 from runs.registry import Agent, Tool, Usage
 
 # one logger for the whole engine, named as before the split: log filters and the

@@ -33,7 +33,7 @@ from runs.engine.lease import (
 from runs.gate import GateRefused, get_gate
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.record import transitions
-from runs.record.checkpoint import LeaseLost, lease_expiry_expression
+from runs.record.checkpoint import LeaseLost, lease_expiry
 from runs.registry import (
     Effect,
     LookupResult,
@@ -208,7 +208,7 @@ class _LeaseKeeper:
             while not self.stop.wait(interval):
                 renewed = Run.objects.filter(
                     id=self.lease.run.id, fence=self.lease.fence, status=Run.Status.RUNNING
-                ).update(lease_expires_at=lease_expiry_expression())
+                ).update(lease_expires_at=db_now_expression(lease_expiry()))
                 if renewed != 1:
                     self.lost = True
                     return

@@ -341,7 +341,7 @@ def remote_lease_heartbeat(*, run_id: Any, fence: int, lease_token: str, actor: 
     (``requested_action``), to be honoured after any call in flight has its receipt."""
     lease = _held(run_id, fence, actor, lease_token)
     with lease.checkpoint() as cp:
-        cp.update(lease_expires_at=engine.lease_expiry_expression())
+        cp.update(lease_expires_at=engine.lease_expiry())
     return Run.objects.get(id=run_id)
 
 

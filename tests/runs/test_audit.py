@@ -101,7 +101,7 @@ def test_audit_verify_finds_an_event_whose_hashes_were_recomputed_but_not_its_su
 ):
     """Rewriting one event and recomputing its own digest and hash is still caught: the next
     event links to the old hash."""
-    from runs.record.checkpoint import event_hash, payload_digest
+    from runs.record.chain import event_hash, payload_digest
 
     event = RunEvent.objects.get(run=finished_run, seq=4)
     event.actor = "user:mallory"

@@ -12,7 +12,8 @@ from approvals.services import approval_decide
 from runs import engine
 from runs.actors import Actor
 from runs.models import AppendOnlyError, Run, RunEvent, Step
-from runs.record.checkpoint import LeaseLost, anchor_hash, checkpoint, event_hash, payload_digest
+from runs.record.chain import anchor_hash, event_hash, payload_digest
+from runs.record.checkpoint import LeaseLost, checkpoint
 from runs.registry import CallTool, Finish
 from runs.services import run_create, run_terminate
 from tests.conftest import drive

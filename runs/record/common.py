@@ -1,0 +1,63 @@
+"""What the checkpoint and its two backends share: the run fields a checkpoint reads, and
+rows inserted in one commit that reference each other (a tool call its step, a receipt its
+call) — a foreign key assigned to an object that was still unsaved is filled in from it
+once it has its key."""
+
+from __future__ import annotations
+
+from django.db import models
+
+# the run's fields a locking checkpoint reads
+LOCKED_FIELDS = (
+    "id",
+    "status",
+    "fence",
+    "event_seq",
+    "last_event_hash",
+    "requested_action",
+    "requested_by",
+    "requested_reason",
+    "trace_id",
+    "root_run_id",
+    "agent_name",
+    "agent_version",
+    "principal_id",
+    # budget limits: an operator may raise them under a live lease (run_topup_budget)
+    "max_steps",
+    "max_cost",
+    "max_tokens",
+    "deadline",
+)
+
+# What others may change while a worker holds the lease (an operator's request, budget limits
+# an operator may raise): every checkpoint reads them back — from the locked row, or from the
+# RETURNING of the write that does not lock (``checkpoint(expect=...)``).
+LIVE_FIELDS = (
+    "requested_action",
+    "requested_by",
+    "requested_reason",
+    "max_steps",
+    "max_cost",
+    "max_tokens",
+    "deadline",
+)
+
+
+def links(obj: models.Model, earlier: list[models.Model]) -> list[tuple[models.Field, int]]:
+    """Foreign keys of ``obj`` that point at an object inserted before it in the same
+    checkpoint: (the field, that object's index)."""
+    found = []
+    for model_field in obj._meta.concrete_fields:
+        if model_field.is_relation and model_field.is_cached(obj):
+            target = model_field.get_cached_value(obj)
+            for index, other in enumerate(earlier):
+                if other is target:
+                    found.append((model_field, index))
+    return found
+
+
+def link(obj: models.Model, inserts: list[models.Model]) -> None:
+    for model_field, index in links(obj, inserts[: inserts.index(obj)]):
+        setattr(obj, model_field.attname, inserts[index].pk)
+        # setting the key drops the cached object: keep it (no query to read it back)
+        model_field.set_cached_value(obj, inserts[index])
