@@ -351,7 +351,7 @@ def approvals_expire_due(*, limit: int = 200) -> int:
 
 
 def _expire_one(approval_id: Any, run_id: Any) -> None:
-    from runs.services import apply_terminate
+    from runs.record.runs import run_terminate as apply_terminate
 
     actor = Actor.system()
     with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:

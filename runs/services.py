@@ -17,11 +17,14 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from runs.actors import Actor
-from runs.gate import get_gate
-from runs.models import Question, Run, RunEvent, Signal, Step, ToolCall, ToolReceipt
+from runs.models import Run, RunEvent, Signal, Step, ToolCall, ToolReceipt
 from runs.queue import enqueue_on_commit
+from runs.record import runs as record_runs
 from runs.record import transitions
 from runs.record.checkpoint import Checkpoint, checkpoint
+from runs.record.runs import run_pause as record_pause
+from runs.record.runs import run_queue
+from runs.record.runs import run_terminate as record_terminate
 from runs.registry import Effect, UnknownAgent, UnknownTool, registry
 
 
@@ -113,62 +116,6 @@ def run_create(
     return run
 
 
-def apply_terminate(
-    cp: Checkpoint, *, by: str, reason: str, reason_code: str = Run.Reason.OPERATOR_TERMINATED
-) -> None:
-    """Terminate inside an open checkpoint: cancel every call that was not dispatched,
-    fail the open step, release the lease. Calls already dispatched keep their status
-    (an unknown outcome stays visible)."""
-    run_id = cp.run.id
-    gate = get_gate()
-    undispatched = (
-        ToolCall.Status.PROPOSED,
-        ToolCall.Status.AWAITING_APPROVAL,
-        ToolCall.Status.APPROVED,
-    )
-    for call in ToolCall.objects.select_related("step").filter(
-        run_id=run_id, status__in=undispatched
-    ):
-        gate.cancel(cp=cp, call=call, reason="run_terminated")
-        call.status = ToolCall.Status.CANCELLED
-        call.save(update_fields=["status", "updated_at"])
-        cp.event("tool.cancelled", seq=call.step.seq, tool=call.tool_name, reason="run_terminated")
-    # Terminated with no live lease holder: a call its dead holder left in flight may or may
-    # not have acted. It stays visible as an unknown outcome for a person, never "dispatching".
-    for call in ToolCall.objects.select_related("step").filter(
-        run_id=run_id, status=ToolCall.Status.DISPATCHING
-    ):
-        call.status = ToolCall.Status.UNKNOWN
-        call.last_error = "left in dispatching when the run was terminated"
-        call.save(update_fields=["status", "last_error", "updated_at"])
-        cp.event(
-            "tool.unknown",
-            seq=call.step.seq,
-            tool=call.tool_name,
-            idempotency_key=call.idempotency_key,
-            error=call.last_error,
-        )
-    # an open question is withdrawn: nobody may answer for a run that will never read it
-    for question in Question.objects.filter(run_id=run_id, status=Question.Status.OPEN):
-        question.status = Question.Status.CANCELLED
-        question.save(update_fields=["status"])
-        cp.event("question.cancelled", question_id=question.id, reason="run_terminated")
-    Step.objects.filter(run_id=run_id, status=Step.Status.PENDING).update(
-        status=Step.Status.FAILED, error="run terminated", completed_at=timezone.now()
-    )
-    cp.event("run.terminated", by=by, reason=reason)
-    cp.update(
-        status=Run.Status.TERMINATED,
-        reason_code=reason_code,
-        reason_detail=reason,
-        finished_at=Now(),
-        lease_owner="",
-        lease_expires_at=None,
-        wake_at=None,
-        requested_action="",
-    )
-
-
 def _lease_is_live(run_id: Any) -> bool:
     return Run.objects.filter(id=run_id, lease_expires_at__gt=Now()).exists()
 
@@ -190,7 +137,7 @@ def run_terminate(*, run_id: Any, actor: Actor, reason: str) -> Run:
                 requested_reason=reason,
             )
         else:
-            apply_terminate(cp, by=actor.label, reason=reason)
+            record_terminate(cp, by=actor.label, reason=reason)
     return Run.objects.get(id=run_id)
 
 
@@ -208,18 +155,8 @@ def run_pause(*, run_id: Any, actor: Actor, reason: str = "") -> Run:
                 requested_reason=reason,
             )
         else:
-            apply_pause(cp, by=actor.label, reason=reason)
+            record_pause(cp, by=actor.label, reason=reason)
     return Run.objects.get(id=run_id)
-
-
-def apply_pause(cp: Checkpoint, *, by: str, reason: str) -> None:
-    cp.event("run.paused", by=by, reason=reason)
-    cp.update(
-        status=Run.Status.PAUSED,
-        lease_owner="",
-        lease_expires_at=None,
-        requested_action="",
-    )
 
 
 def run_resume(*, run_id: Any, actor: Actor) -> Run:
@@ -227,9 +164,7 @@ def run_resume(*, run_id: Any, actor: Actor) -> Run:
     with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
         if cp.run.status != Run.Status.PAUSED:
             raise InvalidState(f"a {cp.run.status} run cannot be resumed")
-        cp.event("run.resumed", by=actor.label)
-        cp.update(status=Run.Status.QUEUED, reason_code="", reason_detail="", enqueued_at=Now())
-        enqueue_on_commit(run_id)
+        record_runs.run_resume(cp, by=actor.label)
     return Run.objects.get(id=run_id)
 
 
@@ -241,12 +176,9 @@ def toolcall_gate_settled(
     the rejection as the step's outcome."""
     if call.status != ToolCall.Status.AWAITING_APPROVAL:
         raise InvalidState(f"tool call is {call.status}, not awaiting approval")
-    call.status = ToolCall.Status.APPROVED if approved else ToolCall.Status.REJECTED
-    call.last_error = "" if approved else reason
-    call.save(update_fields=["status", "last_error", "updated_at"])
+    transitions.call_gate_settled(call, approved=approved, reason=reason)
     if cp.run.status == Run.Status.WAITING_APPROVAL:
-        cp.update(status=Run.Status.QUEUED, enqueued_at=Now())
-        enqueue_on_commit(cp.run.id)
+        run_queue(cp)
 
 
 # --- resolving an unknown outcome (DESIGN §5.3) -------------------------------------------------
@@ -376,14 +308,7 @@ def _settle_by_operator(
 
 
 def _requeue(cp: Checkpoint, run_id: Any) -> None:
-    cp.update(
-        status=Run.Status.QUEUED,
-        reason_code="",
-        reason_detail="",
-        wake_at=None,
-        enqueued_at=Now(),
-    )
-    enqueue_on_commit(run_id)
+    run_queue(cp, reason_code="", reason_detail="", wake_at=None)
 
 
 # --- budgets and the dead letter ----------------------------------------------------------------
@@ -634,7 +559,7 @@ def run_fork(
         _carry_steps(fork, steps)
         signals = _carry_signals(fork, source, from_step)
         if source.status not in Run.TERMINAL:
-            apply_terminate(cp, by=actor.label, reason=f"forked to run {new_id}")
+            record_terminate(cp, by=actor.label, reason=f"forked to run {new_id}")
         cp.event("run.forked", to_run=new_id, from_step=from_step, by=actor.label)
         with checkpoint(new_id, actor=actor.label, channel=actor.channel) as fork_cp:
             fork_cp.event(

@@ -34,9 +34,9 @@ from runs import notify
 from runs.actors import Actor, PermissionDenied
 from runs.dbtime import db_now
 from runs.models import Question, QuestionLink, Run, Signal, Step
-from runs.queue import enqueue_on_commit
 from runs.record import transitions
 from runs.record.checkpoint import Checkpoint, checkpoint
+from runs.record.runs import run_await_event, run_queue
 from runs.registry import (
     Agent,
     AskQuestion,
@@ -209,13 +209,7 @@ def park(cp: Checkpoint, *, step: Step, again: bool = False) -> None:
         cp.boundary("waiting")
     else:
         cp.event("run.released", status=Run.Status.WAITING_EVENT, wake_at=_iso(wake_at))
-    cp.update(
-        status=Run.Status.WAITING_EVENT,
-        lease_owner="",
-        lease_expires_at=None,
-        wake_at=wake_at,
-        enqueued_at=None,
-    )
+    run_await_event(cp, wake_at=wake_at)
 
 
 def end_wait_if_due(cp: Checkpoint, *, run: Run, agent: Agent, step: Step, now: datetime) -> bool:
@@ -315,8 +309,7 @@ def _wake(cp: Checkpoint, step: Step) -> None:
 
         if remote_wait_end(cp, step=step, agent=agent):
             return
-    cp.update(status=Run.Status.QUEUED, wake_at=None, enqueued_at=Now())
-    enqueue_on_commit(cp.run.id)
+    run_queue(cp, wake_at=None)
 
 
 # --- services ------------------------------------------------------------------------------------

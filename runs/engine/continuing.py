@@ -4,8 +4,6 @@ re-bound to a tool that changed since it was decided."""
 
 from __future__ import annotations
 
-from django.utils import timezone
-
 from runs.engine import serving
 from runs.engine.deciding import _continue_wait
 from runs.engine.lease import Lease, Outcome, _park_needs_attention, _release
@@ -20,6 +18,8 @@ from runs.engine.toolcalls import (
 )
 from runs.gate import get_gate
 from runs.models import Run, RunEvent, Step, ToolCall, ToolReceipt
+from runs.record import transitions
+from runs.record.runs import run_await_approval
 from runs.registry import Tool, UnknownTool, registry
 
 
@@ -150,16 +150,7 @@ def _tool_changed(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -
         detail += "; the call's arguments do not match it: " + "; ".join(errors)
     with lease.checkpoint() as cp:
         get_gate().cancel(cp=cp, call=call, reason="tool_retired")
-        ToolCall.objects.filter(id=call.id).update(
-            status=ToolCall.Status.CANCELLED, updated_at=timezone.now()
-        )
-        cp.event(
-            "tool.cancelled",
-            seq=step.seq,
-            tool=call.tool_name,
-            reason="tool_retired",
-            detail=detail,
-        )
+        transitions.call_cancel(cp, call, reason="tool_retired", detail=detail)
         _fail_step_in(cp, lease, step, f"tool_retired: {detail}")
     return Outcome.CONTINUE
 
@@ -202,7 +193,5 @@ def _rebind_to_tool_version(lease: Lease, step: Step, call: ToolCall, tool: Tool
         )
         if needs_approval:
             get_gate().request(cp=cp, run=lease.run, call=call, tool=tool)
-            cp.event("run.waiting", on="approval", seq=step.seq, tool=tool.name)
-            cp.update(status=Run.Status.WAITING_APPROVAL, lease_owner="", lease_expires_at=None)
-            cp.boundary("approval_requested")
+            run_await_approval(cp, seq=step.seq, tool=tool.name)
     return Outcome.PARKED if needs_approval else Outcome.CONTINUE

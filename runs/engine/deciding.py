@@ -15,7 +15,6 @@ from runs.engine.lease import (
     _conf,
     _describe,
     _finish,
-    _pause_principal_revoked_in,
     _principal_refusal,
 )
 from runs.engine.toolcalls import (
@@ -28,10 +27,11 @@ from runs.engine.toolcalls import (
     _record_receipt,
     _storage_notes,
 )
-from runs.gate import gate_installed, get_gate
+from runs.gate import gate_installed
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.record import rows, transitions
 from runs.record.checkpoint import Checkpoint
+from runs.record.runs import call_await_approval, run_pause
 from runs.registry import (
     AGENT_FAIL_CODES,
     AskQuestion,
@@ -180,15 +180,10 @@ def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tr
             # the decision is kept (the agent is not asked again); it is dispatched, or sent
             # for approval, when the run is resumed with a principal allowed to use the tool
             call.save(force_insert=True)
-            _pause_principal_revoked_in(cp, revoked)
+            run_pause(cp, by="system", code=Run.Reason.PRINCIPAL_REVOKED, detail=revoked)
         elif needs_approval:
             # decided + approval_requested share this commit: no external call between them
-            call.status = ToolCall.Status.AWAITING_APPROVAL
-            call.save(force_insert=True)
-            get_gate().request(cp=cp, run=run, call=call, tool=tool)
-            cp.event("run.waiting", on="approval", seq=seq, tool=tool.name)
-            cp.update(status=Run.Status.WAITING_APPROVAL, lease_owner="", lease_expires_at=None)
-            cp.boundary("approval_requested")
+            call_await_approval(cp, run=run, call=call, tool=tool, seq=seq, new=True)
         else:
             # decided + dispatching share this commit: both come before the side effect
             if execute:
@@ -437,12 +432,7 @@ def _decide_family_call(
                 error=call.last_error,
             )
         elif needs_approval:
-            call.status = ToolCall.Status.AWAITING_APPROVAL
-            call.save(force_insert=True)
-            get_gate().request(cp=cp, run=run, call=call, tool=tool)
-            cp.event("run.waiting", on="approval", seq=seq, tool=tool.name)
-            cp.update(status=Run.Status.WAITING_APPROVAL, lease_owner="", lease_expires_at=None)
-            cp.boundary("approval_requested")
+            call_await_approval(cp, run=run, call=call, tool=tool, seq=seq, new=True)
         else:
             if execute:
                 _mark_dispatching(cp, call, lease, tool)

@@ -25,6 +25,7 @@ from runs.queue import enqueue_on_commit
 from runs.record import rows
 from runs.record.checkpoint import Checkpoint, checkpoint
 from runs.record.common import LIVE_FIELDS
+from runs.record.runs import run_finish, run_park, run_pause, run_release
 from runs.registry import Agent, Tool, Usage
 
 # one logger for the whole engine, named as before the split: log filters and the
@@ -140,21 +141,9 @@ def _principal_refusal(lease: Lease, tool: Tool | None) -> str:
     return ""
 
 
-def _pause_principal_revoked_in(cp, detail: str) -> None:
-    # paused, not failed: once the principal is fixed an operator resumes the run
-    cp.event("run.paused", by="system", reason=Run.Reason.PRINCIPAL_REVOKED, detail=detail)
-    cp.update(
-        status=Run.Status.PAUSED,
-        reason_code=Run.Reason.PRINCIPAL_REVOKED,
-        reason_detail=detail,
-        lease_owner="",
-        lease_expires_at=None,
-    )
-
-
 def _pause_principal_revoked(lease: Lease, detail: str) -> None:
     with lease.checkpoint() as cp:
-        _pause_principal_revoked_in(cp, detail)
+        run_pause(cp, by="system", code=Run.Reason.PRINCIPAL_REVOKED, detail=detail)
 
 
 def _record_decision_usage(cp: Checkpoint, lease: Lease, usage: Usage) -> None:
@@ -190,36 +179,24 @@ def _describe(exc: BaseException) -> str:
 # --- releasing the lease ----------------------------------------------------------------------
 
 
-def _release_in(cp, *, status: str = Run.Status.QUEUED, wake_at: datetime | None = None) -> None:
-    cp.event("run.released", status=status, wake_at=wake_at.isoformat() if wake_at else None)
-    cp.update(status=status, lease_owner="", lease_expires_at=None, wake_at=wake_at)
-
-
 def _release(
     lease: Lease, *, status: str = Run.Status.QUEUED, wake_at: datetime | None = None
 ) -> None:
     with lease.checkpoint() as cp:
-        _release_in(cp, status=status, wake_at=wake_at)
+        run_release(cp, status=status, wake_at=wake_at)
 
 
 def _yield(lease: Lease) -> None:
     """End of a slice: let other runs have the worker, and ask to be woken again."""
     with lease.checkpoint() as cp:
-        _release_in(cp)
+        run_release(cp)
         cp.update(enqueued_at=Now())
         enqueue_on_commit(lease.run.id)
 
 
 def _park_needs_attention(lease: Lease, reason: str, detail: str) -> None:
     with lease.checkpoint() as cp:
-        cp.event("run.needs_attention", reason=reason, detail=detail)
-        cp.update(
-            status=Run.Status.NEEDS_ATTENTION,
-            reason_code=reason,
-            reason_detail=detail,
-            lease_owner="",
-            lease_expires_at=None,
-        )
+        run_park(cp, reason, detail)
 
 
 def _finish(
@@ -254,14 +231,4 @@ def _finish(
             cp.event("step.decided", seq=seq, kind=kind)
             cp.update(steps_used=F("steps_used") + 1)
             cp.boundary("decided")
-        cp.event(f"run.{status}", result=result, reason=reason, detail=detail)
-        cp.update(
-            status=status,
-            result=result,
-            reason_code=reason,
-            reason_detail=detail,
-            finished_at=Now(),
-            lease_owner="",
-            lease_expires_at=None,
-        )
-        cp.boundary("run_finished")
+        run_finish(cp, status, result=result, reason=reason, detail=detail)

@@ -11,7 +11,7 @@ from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any
 
-from runs import logs, services, tracing
+from runs import logs, tracing
 from runs.engine import serving
 from runs.engine.claim import claim
 from runs.engine.continuing import _continue_step
@@ -25,7 +25,6 @@ from runs.engine.lease import (
     _park_needs_attention,
     _pause_principal_revoked,
     _principal_refusal,
-    _release_in,
     _yield,
     log,
 )
@@ -33,6 +32,7 @@ from runs.engine.toolcalls import _LeaseKeeper
 from runs.models import Run, Step
 from runs.record import transitions
 from runs.record.checkpoint import LeaseLost, checkpoint
+from runs.record.runs import run_pause, run_release, run_terminate
 from runs.registry import Decision, DecisionContext, DecisionPostponed, ModelWithdrawn, StepView
 
 
@@ -226,9 +226,9 @@ def _honour_request(lease: Lease) -> bool:
     with lease.checkpoint() as cp:
         request = cp.run.requested_action
         if request == Run.Request.TERMINATE:
-            services.apply_terminate(cp, by=cp.run.requested_by, reason=cp.run.requested_reason)
+            run_terminate(cp, by=cp.run.requested_by, reason=cp.run.requested_reason)
         elif request == Run.Request.PAUSE:
-            services.apply_pause(cp, by=cp.run.requested_by, reason=cp.run.requested_reason)
+            run_pause(cp, by=cp.run.requested_by, reason=cp.run.requested_reason)
         else:
             return False
     return True
@@ -253,7 +253,7 @@ def _advance_once(lease: Lease) -> str:
         wake_at = lease.now() + timedelta(seconds=max(exc.retry_after, 0.0))
         with lease.checkpoint() as cp:
             cp.event("agent.postponed", detail=_describe(exc), retry_in_seconds=exc.retry_after)
-            _release_in(cp, wake_at=wake_at)
+            run_release(cp, wake_at=wake_at)
         return Outcome.PARKED
     except ModelWithdrawn as exc:
         # Not the agent's fault either, and waiting will not bring the model back: a person

@@ -19,8 +19,9 @@ from datetime import timedelta
 from django.conf import settings
 from django.db.models.functions import Now
 
-from runs.engine.lease import Lease, _conf, _release_in
+from runs.engine.lease import Lease, _conf
 from runs.models import Worker
+from runs.record.runs import run_release
 
 
 def _serves(serves: dict, agent: str, version: str, tool: tuple[str, str] | None) -> bool:
@@ -50,7 +51,7 @@ def hand_off(lease: Lease, why: str, *, tool: tuple[str, str] | None = None) -> 
     wake_at = lease.now() + timedelta(seconds=_conf("HANDOFF_DELAY"))
     with lease.checkpoint() as cp:
         cp.event("run.handed_off", worker=lease.worker, reason=why, to=able)
-        _release_in(cp, wake_at=wake_at)
+        run_release(cp, wake_at=wake_at)
         # ``enqueued_at`` cleared: the sweeper wakes the run as soon as ``wake_at`` is due
         # (a worker of either release may take it: a short delay, not a busy loop)
         cp.update(enqueued_at=None)

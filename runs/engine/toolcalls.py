@@ -14,10 +14,9 @@ from typing import Any
 from django.db import connection
 from django.db.models import F
 from django.db.models.functions import Now
-from django.utils import timezone
 
 from runs import jsonlimits
-from runs.dbtime import DbNow, db_now, db_now_expression
+from runs.dbtime import db_now, db_now_expression
 from runs.engine.lease import (
     Lease,
     Outcome,
@@ -27,13 +26,13 @@ from runs.engine.lease import (
     _pause_principal_revoked,
     _principal_refusal,
     _release,
-    _release_in,
     log,
 )
 from runs.gate import GateRefused, get_gate
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.record import transitions
 from runs.record.checkpoint import LeaseLost, lease_expiry
+from runs.record.runs import call_await_approval, run_release
 from runs.registry import (
     Effect,
     LookupResult,
@@ -50,25 +49,12 @@ from runs.registry import (
 
 
 def _mark_dispatching(cp, call: ToolCall, lease: Lease, tool: Tool) -> None:
-    call.status = ToolCall.Status.DISPATCHING
-    call.attempt_count += 1
     # DESIGN §9: the deadlines in the database's time, computed by the statement that writes
     # the dispatch (never this worker's estimate); the local budget starts before that
     # statement runs, so it can only end earlier than the database's deadlines
     lease.dispatch_started = time.monotonic()
     send, landing = _deadline_offsets(tool)
-    call.dispatched_at = DbNow()
-    call.send_deadline = DbNow(send)
-    call.landing_deadline = DbNow(landing)
-    call.dispatch_incarnation = lease.fence
-    cp.event(
-        "tool.dispatching",
-        seq=call.step.seq,
-        tool=call.tool_name,
-        attempt=call.attempt_count,
-        idempotency_key=call.idempotency_key,
-    )
-    cp.boundary("dispatching")
+    transitions.call_dispatching(cp, call, fence=lease.fence, send=send, landing=landing)
 
 
 def _deadline_offsets(tool: Tool) -> tuple[float, float]:
@@ -116,13 +102,9 @@ def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: 
             # used, and the agent sees both fingerprints and decides again.
             with lease.checkpoint() as cp:
                 get_gate().cancel(cp=cp, call=call, reason="precondition_changed")
-                ToolCall.objects.filter(id=call.id).update(
-                    status=ToolCall.Status.CANCELLED, updated_at=timezone.now()
-                )
-                cp.event(
-                    "tool.cancelled",
-                    seq=step.seq,
-                    tool=call.tool_name,
+                transitions.call_cancel(
+                    cp,
+                    call,
                     reason="precondition_changed",
                     decided_fingerprint=call.precondition_fingerprint,
                     current_fingerprint=fingerprint,
@@ -146,20 +128,7 @@ def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: 
                 raise GateRefused("the call needs an approval it does not have")
             expected = call.status
             _mark_dispatching(cp, call, lease, tool)
-            updated = ToolCall.objects.filter(id=call.id, status=expected).update(
-                status=call.status,
-                attempt_count=call.attempt_count,
-                dispatched_at=db_now_expression(call.dispatched_at),
-                send_deadline=db_now_expression(call.send_deadline),
-                landing_deadline=db_now_expression(call.landing_deadline),
-                dispatch_incarnation=call.dispatch_incarnation,
-                reconcile_attempts=call.reconcile_attempts,
-                # an operator's "dispatch again" is used up by this dispatch
-                redispatch_authorized=False,
-                updated_at=timezone.now(),
-            )
-            call.dispatched_at = call.send_deadline = call.landing_deadline = None
-            if updated != 1:
+            if transitions.call_write_dispatch(call, expected=expected) != 1:
                 raise LeaseLost(f"tool call {call.idempotency_key} changed under us")
     except GateRefused as exc:
         return _request_approval_again(lease, step, call, tool, str(exc))
@@ -171,14 +140,9 @@ def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: 
 def _request_approval_again(lease: Lease, step: Step, call: ToolCall, tool: Tool, why: str) -> str:
     with lease.checkpoint() as cp:
         get_gate().cancel(cp=cp, call=call, reason="superseded")
-        ToolCall.objects.filter(id=call.id).update(
-            status=ToolCall.Status.AWAITING_APPROVAL, updated_at=timezone.now()
+        call_await_approval(
+            cp, run=lease.run, call=call, tool=tool, seq=step.seq, new=False, why=why
         )
-        call.status = ToolCall.Status.AWAITING_APPROVAL
-        get_gate().request(cp=cp, run=lease.run, call=call, tool=tool)
-        cp.event("run.waiting", on="approval", seq=step.seq, tool=tool.name, why=why)
-        cp.update(status=Run.Status.WAITING_APPROVAL, lease_owner="", lease_expires_at=None)
-        cp.boundary("approval_requested")
     return Outcome.PARKED
 
 
@@ -436,19 +400,7 @@ def _fail_step(lease: Lease, step: Step, error: str) -> None:
 
 def _mark_unknown(lease: Lease, call: ToolCall, error: str) -> None:
     with lease.checkpoint() as cp:
-        call.status = ToolCall.Status.UNKNOWN
-        call.last_error = error
-        ToolCall.objects.filter(id=call.id).update(
-            status=call.status, last_error=error, updated_at=timezone.now()
-        )
-        cp.event(
-            "tool.unknown",
-            seq=call.step.seq,
-            tool=call.tool_name,
-            attempt=call.attempt_count,
-            idempotency_key=call.idempotency_key,
-            error=error,
-        )
+        transitions.call_unknown(cp, call, error)
 
 
 def _reconcile(
@@ -564,7 +516,7 @@ def _reconcile(
             )
             if too_early:
                 # look again once it can no longer land
-                _release_in(cp, wake_at=can_land_until)
+                run_release(cp, wake_at=can_land_until)
         if too_early:
             return Outcome.PARKED
         if to_person:
@@ -611,7 +563,7 @@ def _reconcile(
             detail=detail,
             retry_in_seconds=backoff,
         )
-        _release_in(cp, wake_at=next_at)
+        run_release(cp, wake_at=next_at)
     return Outcome.PARKED
 
 

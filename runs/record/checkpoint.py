@@ -28,7 +28,7 @@ from django.utils import timezone
 from runs import faults, metrics, tracing
 from runs.dbtime import DbNow
 from runs.models import Run, RunEvent
-from runs.record import rows
+from runs.record import machine, rows
 from runs.record.chain import anchor_hash, event_hash, payload_digest
 from runs.record.common import LOCKED_FIELDS
 
@@ -235,6 +235,8 @@ def _write(cp: Checkpoint, *, renew_lease: bool, unlocked: bool = False) -> bool
         event.hash = event_hash(event)
         prev_hash = event.hash
     updates = dict(cp.updates)
+    if "status" in updates:
+        machine.check("run", run.status, updates["status"], reason=updates.get("reason_code"))
     if cp.events:
         updates["event_seq"] = seq
         updates["last_event_hash"] = prev_hash

@@ -13,7 +13,6 @@ from datetime import datetime
 from typing import Any, cast
 
 from django.conf import settings
-from django.db.models import F
 from django.db.models.functions import Now
 
 from runs import engine
@@ -21,13 +20,12 @@ from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
 from runs.models import AgentManifest, Run, Step, ToolCall
 from runs.record.checkpoint import LeaseLost, RunNotFound, checkpoint
+from runs.record.runs import WAITING_FOR_PROCESS, run_lease_expired
 from runs.registry import Effect, Tool, UnknownTool, registry
 from runs.remote.manifest import is_remote
 from runs.remote.resume import resume_packet
 from runs.services import BudgetExhausted, InvalidState
 from runs.tokens import token_hash
-
-WAITING_FOR_PROCESS = "waiting for an agent process"
 
 
 class LeaseHeld(InvalidState):
@@ -374,13 +372,6 @@ def remote_leases_expire(limit: int = 200) -> int:
             ).exists()
             if not still:  # renewed or claimed again since we looked
                 continue
-            cp.event("run.lease_expired", owner=owner, fence=fence)
-            cp.update(
-                status=Run.Status.QUEUED,
-                lease_owner="",
-                lease_expires_at=None,
-                reason_detail=WAITING_FOR_PROCESS,
-                recovery_count=F("recovery_count") + 1,
-            )
+            run_lease_expired(cp, owner=owner, fence=fence)
             count += 1
     return count

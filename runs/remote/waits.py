@@ -15,9 +15,9 @@ from runs.actors import Actor
 from runs.dbtime import db_now
 from runs.models import Question, Run, Step
 from runs.record.checkpoint import Checkpoint, checkpoint
+from runs.record.runs import WAITING_FOR_PROCESS, run_queue
 from runs.registry import Agent, AskQuestion, Sleep, UnknownAgent, WaitForSignal, registry
 from runs.remote.lease import (
-    WAITING_FOR_PROCESS,
     _check_budget,
     _held,
     _honour_request,
@@ -121,12 +121,7 @@ def remote_wait_end(cp: Checkpoint, *, step: Step, agent: Agent) -> bool:
     run = Run.objects.get(id=cp.run.id)
     if not waits.end_wait_if_due(cp, run=run, agent=agent, step=step, now=db_now()):
         return False
-    cp.update(
-        status=Run.Status.QUEUED,
-        wake_at=None,
-        enqueued_at=None,
-        reason_detail=WAITING_FOR_PROCESS,
-    )
+    run_queue(cp, enqueue=False, wake_at=None, enqueued_at=None, reason_detail=WAITING_FOR_PROCESS)
     return True
 
 
