@@ -39,7 +39,6 @@ SQL = re.compile(r"\bset\b[^;]*\bstatus\s*=|\"status\"\s*=", re.IGNORECASE)
 OTHER_TABLES = {"runs/outbox.py"}
 
 NOT_YET_MOVED = {
-    "runs/engine/claim.py",
     "runs/engine/continuing.py",
     "runs/engine/deciding.py",
     "runs/engine/lease.py",

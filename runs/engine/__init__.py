@@ -20,7 +20,7 @@ other code uses is imported from here, including the transitions ``runs.remote``
 
 from __future__ import annotations
 
-from runs.engine.claim import _kind_filter, _take_lease_sql, claim
+from runs.engine.claim import claim
 from runs.engine.continuing import _settle_from_record, _tool_accepts, _tool_changed
 from runs.engine.deciding import _continue_wait, _decide_call, _decide_wait, _family_call
 from runs.engine.lease import (
@@ -74,7 +74,6 @@ __all__ = [
     "_family_call",
     "_finish",
     "_honour_request",
-    "_kind_filter",
     "_mark_unknown",
     "_migrate_agent_version",
     "_park_needs_attention",
@@ -83,7 +82,6 @@ __all__ = [
     "_record_receipt",
     "_release",
     "_settle_from_record",
-    "_take_lease_sql",
     "_tool_accepts",
     "_tool_changed",
 ]

@@ -1,11 +1,14 @@
-"""What the checkpoint and its two backends share: the run fields a checkpoint reads, and
-rows inserted in one commit that reference each other (a tool call its step, a receipt its
-call) — a foreign key assigned to an object that was still unsaved is filled in from it
-once it has its key."""
+"""What the checkpoint and its two backends share: the run fields a checkpoint reads; rows
+inserted in one commit that reference each other (a tool call its step, a receipt its call)
+— a foreign key assigned to an object that was still unsaved is filled in from it once it
+has its key; and which runs a worker (hosted) or an agent process (remote) may claim."""
 
 from __future__ import annotations
 
 from django.db import models
+from django.db.models import Q
+
+from runs.models import AgentManifest
 
 # the run's fields a locking checkpoint reads
 LOCKED_FIELDS = (
@@ -61,3 +64,10 @@ def link(obj: models.Model, inserts: list[models.Model]) -> None:
         setattr(obj, model_field.attname, inserts[index].pk)
         # setting the key drops the cached object: keep it (no query to read it back)
         model_field.set_cached_value(obj, inserts[index])
+
+
+def kind_filter(remote: bool) -> Q:
+    """Remote agents' runs are advanced only by agent processes through the API
+    (``runs.remote``), hosted ones only by workers: neither may claim the other's."""
+    remote_names = Q(agent_name__in=AgentManifest.objects.values("name"))
+    return remote_names if remote else ~remote_names

@@ -4,13 +4,16 @@ transaction is IMMEDIATE (one writer at a time), so every checkpoint locks."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.db import DatabaseError, models
+from django.db.models import F, Q
+from django.db.models.functions import Now
 
 from runs import dbtime
 from runs.models import Run, RunEvent
-from runs.record.common import link
+from runs.record.common import kind_filter, link
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -77,3 +80,41 @@ def flush(
     return query.update(
         **{name: dbtime.db_now_expression(value) for name, value in updates.items()}
     )
+
+
+def take_lease(
+    run_id: Any, *, worker: str, remote: bool, ttl: float
+) -> tuple[Run, bool, datetime] | None:
+    """The claim's compare-and-set through the ORM (SQLite): read the fence, then UPDATE
+    on it. Returns the run as updated, whether it was recovered, and the database's time."""
+    from runs import waits  # it builds on the record
+
+    # runnable, or waiting with its timer or timeout due (docs/waits.md)
+    observed = (
+        Run.objects.filter(waits.claimable(), kind_filter(remote), id=run_id)
+        .values_list("fence", "status")
+        .first()
+    )
+    if observed is None:
+        return None
+    fence, status = observed
+    recovered = status == Run.Status.RUNNING  # its last holder never released it
+    taken = (
+        Run.objects.filter(waits.claimable(), kind_filter(remote), id=run_id, fence=fence)
+        .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now()))
+        .filter(Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
+        .update(
+            fence=F("fence") + 1,
+            lease_owner=worker,
+            lease_expires_at=dbtime.db_now_expression(dbtime.DbNow(ttl)),
+            status=Run.Status.RUNNING,
+            recovery_count=F("recovery_count") + (1 if recovered else 0),
+            wake_at=None,
+            enqueued_at=None,
+        )
+    )
+    if taken != 1:
+        return None
+    # the row the UPDATE above locked, and the database's clock, in one query
+    run = Run.objects.annotate(db_time_at_claim=Now()).get(id=run_id)
+    return run, recovered, run.db_time_at_claim

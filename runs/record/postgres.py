@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 from contextlib import nullcontext
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from django.db import DatabaseError, connection, models, transaction
@@ -27,7 +28,7 @@ from django.db.models.fields import AutoFieldMixin
 from django.db.models.functions import Now
 
 from runs import dbtime
-from runs.models import Run, RunEvent
+from runs.models import AgentManifest, Run, RunEvent
 from runs.record.common import LIVE_FIELDS, link, links
 
 if TYPE_CHECKING:
@@ -405,3 +406,74 @@ def _one_statement_sql(
         f"{''.join(f', (SELECT {_quote(f.column)} FROM up)' for f in live)}"
     )
     return sql, plans, [(f.attname, f.get_db_converters(connection), f) for f in live]
+
+
+# --- the claim (runs.engine.claim) ---------------------------------------------------------------
+
+_claim_sql: dict[bool, tuple[str, list[Any]]] = {}
+
+
+def take_lease(
+    run_id: Any, *, worker: str, remote: bool, ttl: float
+) -> tuple[Run, bool, datetime] | None:
+    """The same compare-and-set on PostgreSQL as ONE statement (docs/benchmarks.md: built
+    through the ORM, the claim's three queries cost more CPU than a whole step). The
+    subquery locks the row and reads the status it had — ``running`` means its last holder
+    never released it (recovered) — and the UPDATE applies the ORM path's conditions to that
+    same, locked row; RETURNING gives the row as updated and the database's time."""
+    if remote not in _claim_sql:
+        quote = connection.ops.quote_name
+        meta = Run._meta
+
+        def col(name: str) -> str:
+            return quote(meta.get_field(name).column)
+
+        fields = meta.concrete_fields
+        table, manifests = quote(meta.db_table), quote(AgentManifest._meta.db_table)
+        runnable = ", ".join(["%s"] * len(Run.RUNNABLE))
+        now = "STATEMENT_TIMESTAMP()"
+        sql = (
+            f"UPDATE {table} AS r SET {col('fence')} = r.{col('fence')} + 1, "
+            f"{col('lease_owner')} = %s, "
+            f"{col('lease_expires_at')} = {now} + make_interval(secs => %s), "
+            f"{col('status')} = %s, "
+            f"{col('recovery_count')} = r.{col('recovery_count')} "
+            f"+ CASE WHEN old.{col('status')} = %s THEN 1 ELSE 0 END, "
+            f"{col('wake_at')} = NULL, {col('enqueued_at')} = NULL "
+            f"FROM (SELECT {col('id')}, {col('status')} FROM {table} "
+            f"WHERE {col('id')} = %s FOR UPDATE) AS old "
+            f"WHERE r.{col('id')} = old.{col('id')} "
+            f"AND (r.{col('status')} IN ({runnable}) OR (r.{col('status')} = %s "
+            f"AND r.{col('wake_at')} IS NOT NULL AND r.{col('wake_at')} <= {now})) "
+            f"AND {'' if remote else 'NOT '}(r.{col('agent_name')} IN "
+            f"(SELECT {quote(AgentManifest._meta.get_field('name').column)} FROM {manifests})) "
+            f"AND (r.{col('lease_expires_at')} IS NULL OR r.{col('lease_expires_at')} < {now}) "
+            f"AND (r.{col('wake_at')} IS NULL OR r.{col('wake_at')} <= {now}) "
+            f"RETURNING old.{col('status')}, {now}, "
+            + ", ".join(f"r.{quote(f.column)}" for f in fields)
+        )
+        _claim_sql[remote] = (
+            sql,
+            [(f.attname, f.get_db_converters(connection), f) for f in fields],
+        )
+    sql, columns = _claim_sql[remote]
+    params = [
+        worker,
+        ttl,
+        Run.Status.RUNNING.value,
+        Run.Status.RUNNING.value,
+        run_id,
+        *[status.value for status in Run.RUNNABLE],
+        Run.Status.WAITING_EVENT.value,
+    ]
+    with connection.cursor() as cursor:
+        cursor.execute(sql, params)
+        row = cursor.fetchone()
+    if row is None:
+        return None
+    old_status, db_time, *values = row
+    for index, (_attname, converters, model_field) in enumerate(columns):
+        for converter in converters:
+            values[index] = converter(values[index], model_field, connection)
+    run = Run.from_db(connection.alias, [attname for attname, _c, _f in columns], values)
+    return run, old_status == Run.Status.RUNNING, db_time

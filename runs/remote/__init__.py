@@ -14,7 +14,7 @@ expired lease or a run no longer ``running`` raises ``LeaseLost`` and nothing is
 transitions themselves are the engine's (``_decide_call``, ``_dispatch``, ``_mark_unknown``,
 ``_finish``, ...), called with ``execute=False``: the agent process makes the tool call.
 
-Workers never claim remote runs (``engine._kind_filter``); when a remote lease expires the
+Workers never claim remote runs (``runs.record.common.kind_filter``); when a remote lease expires the
 sweeper hook ``remote_leases_expire`` puts the run back to ``queued`` ("waiting for an agent
 process") with a ``run.lease_expired`` event (and webhook). The next process to claim the
 lease gets a resume packet in which a call left ``dispatching`` is ``unknown``.

@@ -20,6 +20,7 @@ from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
 from runs.models import AgentManifest, Run, Step, ToolCall
 from runs.record.checkpoint import LeaseLost, RunNotFound, checkpoint
+from runs.record.common import kind_filter
 from runs.record.runs import WAITING_FOR_PROCESS, run_lease_expired
 from runs.registry import Effect, Tool, UnknownTool, registry
 from runs.remote.manifest import is_remote
@@ -359,7 +360,7 @@ def remote_leases_expire(limit: int = 200) -> int:
     agent process, with ``run.lease_expired`` (and its webhook). Counted as a recovery."""
     expired = list(
         Run.objects.filter(
-            engine._kind_filter(remote=True),
+            kind_filter(remote=True),
             status=Run.Status.RUNNING,
             lease_expires_at__lt=Now(),
         ).values_list("id", "fence", "lease_owner")[:limit]

@@ -15,6 +15,7 @@ from runs.actors import Actor
 from runs.dbtime import db_now
 from runs.models import Question, Run, Step
 from runs.record.checkpoint import Checkpoint, checkpoint
+from runs.record.common import kind_filter
 from runs.record.runs import WAITING_FOR_PROCESS, run_queue
 from runs.registry import Agent, AskQuestion, Sleep, UnknownAgent, WaitForSignal, registry
 from runs.remote.lease import (
@@ -131,7 +132,7 @@ def remote_waits_end_due(limit: int = 200) -> int:
     sweeper ran. Returns how many waits ended."""
     due = list(
         Run.objects.filter(
-            engine._kind_filter(remote=True),
+            kind_filter(remote=True),
             status=Run.Status.WAITING_EVENT,
             wake_at__lte=Now(),
         ).values_list("id", "agent_name")[:limit]
