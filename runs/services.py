@@ -556,7 +556,7 @@ def run_fork(
             forked_from_step=from_step,
             enqueued_at=timezone.now(),
         )
-        _carry_steps(fork, steps)
+        transitions.steps_carry(fork, steps)
         signals = _carry_signals(fork, source, from_step)
         if source.status not in Run.TERMINAL:
             record_terminate(cp, by=actor.label, reason=f"forked to run {new_id}")
@@ -664,54 +664,3 @@ def _configured_model(agent: Any, run: Run) -> str:
             "another (AGENTOPS_LLM_MODEL), then retry"
         )
     return configured
-
-
-def _carry_steps(fork: Run, steps: list[Step]) -> None:
-    """Copies, not moves: the old run's record stays whole for its audit trail. A carried
-    call keeps its idempotency key, so the family's keys name the same effects."""
-    for step in steps:
-        copy = Step.objects.create(
-            run=fork,
-            seq=step.seq,
-            kind=step.kind,
-            status=step.status,
-            input=step.input,
-            output=step.output,
-            error=step.error,
-            incarnation=step.incarnation,
-            cost=step.cost,
-            tokens=step.tokens,
-            completed_at=step.completed_at,
-        )
-        call = getattr(step, "tool_call", None)
-        if call is None:
-            continue
-        carried = ToolCall.objects.create(
-            step=copy,
-            run=fork,
-            tool_name=call.tool_name,
-            tool_version=call.tool_version,
-            effect=call.effect,
-            arguments=call.arguments,
-            arguments_masked=call.arguments_masked,
-            arguments_digest=call.arguments_digest,
-            idempotency_key=call.idempotency_key,
-            status=call.status,
-            attempt_count=call.attempt_count,
-            dispatched_at=call.dispatched_at,
-            dispatch_incarnation=call.dispatch_incarnation,
-            precondition_fingerprint=call.precondition_fingerprint,
-            reconcile_attempts=call.reconcile_attempts,
-            last_error=call.last_error,
-        )
-        receipt = getattr(call, "receipt", None)
-        if receipt is not None:
-            ToolReceipt.objects.create(
-                tool_call=carried,
-                outcome=receipt.outcome,
-                result=receipt.result,
-                external_ref=receipt.external_ref,
-                source=receipt.source,
-                recorded_by=receipt.recorded_by,
-                incarnation=receipt.incarnation,
-            )

@@ -2,10 +2,6 @@
 tool call's status — not by attribute, ``update(status=…)``, ``update(**{…})``, a create
 with a status, a checkpoint's ``cp.update(status=…)`` or raw SQL. The source is read, so it
 stays true.
-
-``NOT_YET_MOVED`` lists the modules whose transitions are still being moved into
-``runs/record/``; it may only shrink: a listed module that no longer writes a status fails
-the test until it is taken off the list.
 """
 
 from __future__ import annotations
@@ -37,15 +33,6 @@ SQL = re.compile(r"\bset\b[^;]*\bstatus\s*=|\"status\"\s*=", re.IGNORECASE)
 
 # modules whose ``status`` is another table's (the outbox writes its messages' rows)
 OTHER_TABLES = {"runs/outbox.py"}
-
-NOT_YET_MOVED = {
-    "runs/engine/continuing.py",
-    "runs/engine/deciding.py",
-    "runs/engine/lease.py",
-    "runs/remote/steps.py",
-    "runs/remote/toolcalls.py",
-    "runs/services.py",
-}
 
 
 def _root_name(node: ast.AST) -> str:
@@ -122,12 +109,8 @@ def _sources():
 
 def test_no_status_is_written_outside_the_record():
     writes = {str(p.relative_to(ROOT)): _status_writes(p) for p in _sources()}
-    outside = [w for module, found in writes.items() if module not in NOT_YET_MOVED for w in found]
+    outside = [w for found in writes.values() for w in found]
     assert not outside, "status written outside runs/record/:\n" + "\n".join(outside)
-    moved = sorted(module for module in NOT_YET_MOVED if not writes.get(module))
-    assert not moved, (
-        f"these modules write no status any more: take them off NOT_YET_MOVED: {moved}"
-    )
 
 
 def test_the_scanner_sees_every_way_of_writing(tmp_path):

@@ -166,23 +166,7 @@ def _rebind_to_tool_version(lease: Lease, step: Step, call: ToolCall, tool: Tool
     previous = call.tool_version
     with lease.checkpoint() as cp:
         get_gate().cancel(cp=cp, call=call, reason="tool_version_changed")
-        call.tool_version = tool.version
-        call.effect = str(tool.effect)
-        call.arguments_masked = tool.mask(call.arguments)
-        call.precondition_fingerprint = fingerprint
-        call.status = (
-            ToolCall.Status.AWAITING_APPROVAL if needs_approval else ToolCall.Status.PROPOSED
-        )
-        call.save(
-            update_fields=[
-                "tool_version",
-                "effect",
-                "arguments_masked",
-                "precondition_fingerprint",
-                "status",
-                "updated_at",
-            ]
-        )
+        transitions.call_rebind(call, tool, fingerprint=fingerprint, needs_approval=needs_approval)
         cp.event(
             "tool.version_changed",
             seq=step.seq,

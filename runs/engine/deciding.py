@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 from django.db.models import F
-from django.utils import timezone
 
 from runs import waits
 from runs.engine.lease import (
@@ -76,19 +75,16 @@ def _rejected_call(lease: Lease, action: CallTool, seq: int, error: str) -> str:
     """A call the engine refuses before anything happens (unknown tool, bad arguments):
     recorded as a failed step the agent sees, never dispatched."""
     with lease.checkpoint() as cp:
-        step = Step.objects.create(
+        step = transitions.step_refused(
+            cp,
             run_id=lease.run.id,
             seq=seq,
             kind=Step.Kind.TOOL_CALL,
-            status=Step.Status.FAILED,
+            incarnation=lease.fence,
             input={"tool": action.tool, "arguments": "(not recorded: invalid call)"},
             error=error,
-            incarnation=lease.fence,
-            completed_at=timezone.now(),
+            tool=action.tool,
         )
-        cp.event("step.decided", seq=seq, kind=step.kind, tool=action.tool, refused=error)
-        cp.update(steps_used=F("steps_used") + 1)
-        cp.boundary("decided")
     lease.run.steps_used += 1
     lease.steps.append(step)
     return Outcome.CONTINUE
@@ -250,17 +246,13 @@ def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) ->
         return _reconcile(lease, step, call, tool)
     output = result.result if result else None
     with lease.checkpoint(optimistic=True) as cp:
-        step.status = Step.Status.COMPLETED if ok else Step.Status.FAILED
-        step.output = output
-        step.error = error
-        step.completed_at = timezone.now()
+        transitions.step_outcome(step, ok=ok, output=output, error=error)
         # step, call and receipt: inserted with the events and the run's update (one
         # statement on PostgreSQL)
         _record_decided(cp, lease, step, call, at_commit=True)
         _mark_dispatching(cp, call, lease, tool)
         call.dispatched_at = dispatched_at
-        call.status = ToolCall.Status.SUCCEEDED if ok else ToolCall.Status.FAILED
-        cp.insert(call)
+        cp.insert(call)  # with the status the receipt gives it (record_receipt, later=True)
         _record_receipt(
             cp,
             lease,
@@ -286,19 +278,15 @@ def _decide_wait(lease: Lease, action: WaitForSignal | Sleep | AskQuestion, seq:
     error = waits.validate(action)
     if error:
         with lease.checkpoint() as cp:
-            step = Step.objects.create(
+            step = transitions.step_refused(
+                cp,
                 run_id=lease.run.id,
                 seq=seq,
                 kind=Step.Kind.WAIT,
-                status=Step.Status.FAILED,
+                incarnation=lease.fence,
                 input={"wait": type(action).__name__, "refused": True},
                 error=error,
-                incarnation=lease.fence,
-                completed_at=timezone.now(),
             )
-            cp.event("step.decided", seq=seq, kind=step.kind, refused=error)
-            cp.update(steps_used=F("steps_used") + 1)
-            cp.boundary("decided")
         lease.run.steps_used += 1
         lease.steps.append(step)
         return Outcome.CONTINUE
@@ -413,24 +401,7 @@ def _decide_family_call(
             )
             _complete_step(cp, lease, step, call, True, receipt.result, "")
         elif in_doubt:
-            call.status = ToolCall.Status.UNKNOWN
-            call.dispatched_at = sibling.dispatched_at
-            # the family's request may still land until the sibling's landing deadline
-            call.send_deadline = sibling.send_deadline
-            call.landing_deadline = sibling.landing_deadline
-            call.last_error = (
-                f"key {call.idempotency_key} was dispatched by run {sibling.run_id} "
-                f"({sibling.status}) with no receipt"
-            )
-            call.save(force_insert=True)
-            cp.event(
-                "tool.unknown",
-                seq=seq,
-                tool=tool.name,
-                attempt=0,
-                idempotency_key=call.idempotency_key,
-                error=call.last_error,
-            )
+            transitions.call_in_doubt(cp, call, sibling=sibling, seq=seq)
         elif needs_approval:
             call_await_approval(cp, run=run, call=call, tool=tool, seq=seq, new=True)
         else:

@@ -18,11 +18,10 @@ from typing import Any
 from django.conf import settings
 from django.db.models import F
 from django.db.models.functions import Now
-from django.utils import timezone
 
 from runs.models import Run, Step
 from runs.queue import enqueue_on_commit
-from runs.record import rows
+from runs.record import rows, transitions
 from runs.record.checkpoint import Checkpoint, checkpoint
 from runs.record.common import LIVE_FIELDS
 from runs.record.runs import run_finish, run_park, run_pause, run_release
@@ -214,14 +213,12 @@ def _finish(
     with lease.checkpoint(optimistic=at_commit) as cp:
         if seq is not None:
             kind = Step.Kind.FINISH if status == Run.Status.SUCCEEDED else Step.Kind.FAIL
-            step = Step(
-                run_id=lease.run.id,
+            step = transitions.step_ended(
+                lease.run.id,
                 seq=seq,
                 kind=kind,
-                status=Step.Status.COMPLETED,
-                input={"result": result} if kind == Step.Kind.FINISH else {"reason": detail},
                 incarnation=lease.fence,
-                completed_at=timezone.now(),
+                input={"result": result} if kind == Step.Kind.FINISH else {"reason": detail},
             )
             if at_commit:
                 cp.insert(step)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db.models import F
 from django.utils import timezone
 
 from runs.dbtime import DbNow, db_now_expression
@@ -100,12 +101,7 @@ def complete_step(
     later: bool = False,
 ) -> None:
     """``later``: the step's row is updated with the commit's events (``cp.update_row``)."""
-    status = Step.Status.COMPLETED if ok else Step.Status.FAILED
-    machine.check("step", step.status, status)
-    step.status = status
-    step.output = output
-    step.error = error
-    step.completed_at = timezone.now()
+    step_outcome(step, ok=ok, output=output, error=error)
     if later:
         cp.update_row(
             Step,
@@ -209,3 +205,174 @@ def call_write_dispatch(call: ToolCall, *, expected: str) -> int:
     )
     call.dispatched_at = call.send_deadline = call.landing_deadline = None
     return updated
+
+
+def call_rebind(call: ToolCall, tool: Any, *, fingerprint: str, needs_approval: bool) -> None:
+    """An undispatched call moves to its tool's new version: ``proposed`` again, or
+    ``awaiting_approval`` when the new version's policy asks (the caller cancelled the old
+    approval through the gate and asks the new one)."""
+    status = ToolCall.Status.AWAITING_APPROVAL if needs_approval else ToolCall.Status.PROPOSED
+    machine.check("call", call.status, status)
+    call.tool_version = tool.version
+    call.effect = str(tool.effect)
+    call.arguments_masked = tool.mask(call.arguments)
+    call.precondition_fingerprint = fingerprint
+    call.status = status
+    call.save(
+        update_fields=[
+            "tool_version",
+            "effect",
+            "arguments_masked",
+            "precondition_fingerprint",
+            "status",
+            "updated_at",
+        ]
+    )
+
+
+def call_absent_accepted(cp: Checkpoint, call: ToolCall, *, lookup: int, **event: Any) -> None:
+    """A remote agent's ``absent`` was accepted: the call stays ``unknown`` (its first
+    attempt provably never landed) and may be dispatched again under its key."""
+    machine.check("call", call.status, ToolCall.Status.UNKNOWN)
+    attempt = call.reconcile_attempts + 1
+    ToolCall.objects.filter(id=call.id).update(
+        status=ToolCall.Status.UNKNOWN,
+        reconcile_attempts=attempt,
+        absent_lookup=lookup,
+        updated_at=timezone.now(),
+    )
+    cp.event(
+        "tool.reconcile_attempted",
+        seq=call.step.seq,
+        attempt=attempt,
+        outcome="absent",
+        lookup=lookup,
+        **event,
+    )
+
+
+def call_in_doubt(cp: Checkpoint, call: ToolCall, *, sibling: ToolCall, seq: int) -> None:
+    """A fork's new call whose key its family dispatched without a receipt: inserted
+    ``unknown`` (reconciled by key, never blindly repeated), with the family's deadlines
+    (its request may still land until the sibling's landing deadline)."""
+    machine.check("call", call.status, ToolCall.Status.UNKNOWN)
+    call.status = ToolCall.Status.UNKNOWN
+    call.dispatched_at = sibling.dispatched_at
+    call.send_deadline = sibling.send_deadline
+    call.landing_deadline = sibling.landing_deadline
+    call.last_error = (
+        f"key {call.idempotency_key} was dispatched by run {sibling.run_id} "
+        f"({sibling.status}) with no receipt"
+    )
+    call.save(force_insert=True)
+    cp.event(
+        "tool.unknown",
+        seq=seq,
+        tool=call.tool_name,
+        attempt=0,
+        idempotency_key=call.idempotency_key,
+        error=call.last_error,
+    )
+
+
+# --- a step's moves (runs.record.machine.STEP_MOVES) ---------------------------------------------
+
+
+def step_outcome(step: Step, *, ok: bool, output: Any, error: str) -> None:
+    """The step ends, on the object (its row is written by the caller's commit)."""
+    status = Step.Status.COMPLETED if ok else Step.Status.FAILED
+    machine.check("step", step.status, status)
+    step.status = status
+    step.output = output
+    step.error = error
+    step.completed_at = timezone.now()
+
+
+def step_ended(
+    run_id: Any, *, seq: int, kind: str, incarnation: int, input: Any, error: str = ""
+) -> Step:
+    """A step that is decided and ended at once (a finish, an agent's own decision:
+    completed; a refused call or wait: failed, with ``error``), unsaved."""
+    return Step(
+        run_id=run_id,
+        seq=seq,
+        kind=kind,
+        status=Step.Status.FAILED if error else Step.Status.COMPLETED,
+        input=input,
+        error=error,
+        incarnation=incarnation,
+        completed_at=timezone.now(),
+    )
+
+
+def step_refused(
+    cp: Checkpoint,
+    *,
+    run_id: Any,
+    seq: int,
+    kind: str,
+    incarnation: int,
+    input: Any,
+    error: str,
+    **event: Any,
+) -> Step:
+    """``decided``, refused: the engine would not make the call or the wait (unknown tool,
+    bad arguments, a wait it cannot keep). A failed step the agent sees; nothing happens."""
+    step = step_ended(run_id, seq=seq, kind=kind, incarnation=incarnation, input=input, error=error)
+    step.save(force_insert=True)
+    cp.event("step.decided", seq=seq, kind=kind, **event, refused=error)
+    cp.update(steps_used=F("steps_used") + 1)
+    cp.boundary("decided")
+    return step
+
+
+def steps_carry(fork: Run, steps: list[Step]) -> None:
+    """Copies, not moves: the old run's record stays whole for its audit trail. A carried
+    call keeps its idempotency key, so the family's keys name the same effects. Every step
+    and call keeps its status: a fork starts where its parent's record ends."""
+    for step in steps:
+        copy = Step.objects.create(
+            run=fork,
+            seq=step.seq,
+            kind=step.kind,
+            status=step.status,
+            input=step.input,
+            output=step.output,
+            error=step.error,
+            incarnation=step.incarnation,
+            cost=step.cost,
+            tokens=step.tokens,
+            completed_at=step.completed_at,
+        )
+        call = getattr(step, "tool_call", None)
+        if call is None:
+            continue
+        carried = ToolCall.objects.create(
+            step=copy,
+            run=fork,
+            tool_name=call.tool_name,
+            tool_version=call.tool_version,
+            effect=call.effect,
+            arguments=call.arguments,
+            arguments_masked=call.arguments_masked,
+            arguments_digest=call.arguments_digest,
+            idempotency_key=call.idempotency_key,
+            status=call.status,
+            attempt_count=call.attempt_count,
+            dispatched_at=call.dispatched_at,
+            dispatch_incarnation=call.dispatch_incarnation,
+            precondition_fingerprint=call.precondition_fingerprint,
+            reconcile_attempts=call.reconcile_attempts,
+            last_error=call.last_error,
+        )
+        receipt = getattr(call, "receipt", None)
+        if receipt is not None:
+            ToolReceipt.objects.create(
+                tool_call=carried,
+                outcome=receipt.outcome,
+                result=receipt.result,
+                external_ref=receipt.external_ref,
+                source=receipt.source,
+                recorded_by=receipt.recorded_by,
+                incarnation=receipt.incarnation,
+            )

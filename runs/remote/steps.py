@@ -8,11 +8,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db.models import F
-from django.utils import timezone
 
 from runs import engine
 from runs.actors import Actor
 from runs.models import Run, Step
+from runs.record import transitions
 from runs.registry import digest
 from runs.remote.lease import (
     RemoteLease,
@@ -91,18 +91,11 @@ def remote_step_record(
     seq = _next_seq(lease, seq)
     _check_budget(lease)
     with lease.checkpoint() as cp:
-        step = Step.objects.create(
-            run_id=run_id,
-            seq=seq,
-            kind=DECISION,
-            status=Step.Status.COMPLETED,
-            input=input,
-            output=output,
-            incarnation=fence,
-            cost=cost or 0,
-            tokens=tokens or 0,
-            completed_at=timezone.now(),
+        step = transitions.step_ended(
+            run_id, seq=seq, kind=DECISION, incarnation=fence, input=input
         )
+        step.output, step.cost, step.tokens = output, cost or 0, tokens or 0
+        step.save(force_insert=True)
         cp.event("step.decided", seq=seq, kind=DECISION, cost=cost, tokens=tokens)
         updates: dict[str, Any] = {
             "steps_used": F("steps_used") + 1,

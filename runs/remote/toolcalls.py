@@ -11,12 +11,12 @@ from typing import Any
 from django.db import transaction
 from django.db.models import F
 from django.db.models.functions import Now
-from django.utils import timezone
 
 from runs import engine
 from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
 from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.record import transitions
 from runs.record.checkpoint import LeaseLost
 from runs.registry import CallTool, Effect, Resend, Tool, UnknownTool, digest, registry
 from runs.remote.lease import (
@@ -597,22 +597,9 @@ def _record_absent(lease: RemoteLease, call: ToolCall, lookup: int) -> ToolCall:
             "resend_after and look again",
             resend_after=landing,
         )
-    step = call.step
     with lease.checkpoint() as cp:
-        attempt = call.reconcile_attempts + 1
-        ToolCall.objects.filter(id=call.id).update(
-            status=ToolCall.Status.UNKNOWN,
-            reconcile_attempts=attempt,
-            absent_lookup=lookup,
-            updated_at=timezone.now(),
-        )
-        cp.event(
-            "tool.reconcile_attempted",
-            seq=step.seq,
-            attempt=attempt,
-            outcome="absent",
-            lookup=lookup,
-            started_at=started.isoformat() if started else None,
+        transitions.call_absent_accepted(
+            cp, call, lookup=lookup, started_at=started.isoformat() if started else None
         )
     if tool is not None and tool.resend == Resend.PERSON and not call.redispatch_authorized:
         engine._park_needs_attention(
