@@ -16,11 +16,11 @@ from django.utils import timezone
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from approvals.services import (
     AlreadyDecided,
-    LinkInvalid,
     approval_decide,
     approval_link_get,
 )
 from runs.actors import Actor
+from runs.links import LinkInvalid
 from runs.registry import ApprovalPolicy, CallTool, Effect, Finish
 from runs.services import run_create
 from tests.approvals.conftest import link, requested, start_refund, token_for
@@ -144,7 +144,7 @@ def test_another_signed_in_approver_cannot_use_a_link(
 
     page = client.get(link(token))
     assert page.status_code == 403
-    assert b"belongs to another approver" in page.content
+    assert b"sent to someone else" in page.content
     assert b"sent to alice" in page.content
     assert _post(client, token).status_code == 403
 
