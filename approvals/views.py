@@ -33,6 +33,7 @@ from runs import jsonlimits
 from runs.actors import Actor, PermissionDenied
 from runs.forms import UnclippedCharField
 from runs.masking import masker_for, maskers_for
+from runs.registry import call_summary
 from runs.services import InvalidInput
 from runs.views.links import LinkFormError, LinkPage, after_sign_in_view, client_of, link_view
 
@@ -212,11 +213,14 @@ def _link_state(link: ApprovalLink) -> str:
 
 def _link_context(request: HttpRequest, link: ApprovalLink) -> dict[str, Any]:
     approval = link.approval
+    # a link's page may be open without a sign-in: shown as to nobody in particular
+    arguments = masker_for(approval.run)(approval.arguments_masked)
     return {
         "approval": approval,
         "run": approval.run,
-        # a link's page may be open without a sign-in: shown as to nobody in particular
-        "arguments_json": _arguments_json(masker_for(approval.run)(approval.arguments_masked)),
+        # what is asked, in the words of the email's subject (issue 20, item 5)
+        "summary": call_summary(approval.tool_name, arguments),
+        "arguments_json": _arguments_json(arguments),
         "decisions": list(approval.decisions.select_related("decider")),
     }
 

@@ -5,10 +5,12 @@ policy's sign-in and bearer links; concurrent decisions settle once."""
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 
 import pytest
 from django.contrib.auth.models import Group
+from django.core import mail
 from django.test import Client
 
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
@@ -21,7 +23,7 @@ from runs.actors import Actor
 from runs.links import LinkInvalid
 from runs.registry import ApprovalPolicy, CallTool, Effect, Finish
 from runs.services import run_create
-from tests.approvals.conftest import link, requested, start_refund, token_for
+from tests.approvals.conftest import CUSTOMER_EMAIL, link, requested, start_refund, token_for
 from tests.conftest import drive
 from tests.support import CountingTool, ScriptedAgent, close_connection, events, make_tool
 
@@ -275,3 +277,20 @@ def test_bearer_links_are_an_opt_in_for_one_approver(
     assert events(run.id, "approval.link_used")[0].payload["signed_in"] is False
     with pytest.raises(ValueError, match="1-of-1"):
         ApprovalPolicy(when="always", required=2, bearer_links=True)
+
+
+@pytest.mark.django_db
+def test_the_link_page_says_what_is_asked_in_the_emails_words(
+    django_capture_on_commit_callbacks, client, sandbox, system_actor, alice
+):
+    """The subject's one-line summary, money with its currency, sensitive fields masked."""
+    _, approval = requested(django_capture_on_commit_callbacks, system_actor)
+    (message,) = [m for m in mail.outbox if "alice@example.com" in m.to]
+    client.force_login(alice)
+
+    page = client.get(link(token_for("alice@example.com"))).content.decode()
+
+    summary = re.search(r"<strong>(Refund [^<]*)</strong>", page).group(1)
+    assert summary in message.subject
+    assert "EUR to order ord_1004" in summary
+    assert CUSTOMER_EMAIL not in page
