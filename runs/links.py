@@ -2,8 +2,8 @@
 
 A link is one row per recipient of one object (an approval, a question) holding only the
 sha256 of a random token; the token itself is derived from a seed in the outbox row that
-mails it (``runs.outbox.link_token``), so neither the database nor a log holds anything that
-opens it. A link
+mails it (``link_token``), so neither the database nor a log holds anything that opens it.
+A link
 
 - decides only for its recipient, signed in: the token alone (a forwarded email, a mail
   scanner) decides nothing, except where the kind allows a bearer link for this object (an
@@ -13,7 +13,7 @@ opens it. A link
   request) does nothing;
 - expires with its object (the kind's service refuses a late decision; the page says so).
 
-What is shared lives here: the token's lookup, who may use a link, its single use and the
+What is shared lives here: making a token and its email (``emailed_link``), its lookup, who may use a link, its single use and the
 ``<kind>.link_used`` event (who, signed in or not, from which address and user agent). What
 differs is declared by each kind (``LinkKind``): ``APPROVAL_LINKS`` in ``approvals.services``
 and ``QUESTION_LINKS`` in ``runs.waits``; their pages in ``runs.views.links``.
@@ -21,15 +21,21 @@ and ``QUESTION_LINKS`` in ``runs.waits``; their pages in ``runs.views.links``.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import hmac
+import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from django.conf import settings
 from django.db import models, transaction
 from django.db.models.functions import Now
+from django.urls import reverse
 
 from runs.actors import Actor, PermissionDenied
-from runs.outbox import hash_token
+from runs.outbox import Email
 from runs.record.checkpoint import checkpoint
 from runs.services import InvalidState
 
@@ -85,6 +91,56 @@ class LinkKind:
     def recipient_id(self, link: Any) -> Any:
         return getattr(link, f"{self.recipient}_id")
 
+
+# --- tokens --------------------------------------------------------------------------------
+
+
+def link_seed() -> str:
+    return secrets.token_urlsafe(16)
+
+
+def link_token(seed: str) -> str:
+    """The emailed link's token, derived from the outbox row's seed with the server's secret
+    key. Only its sha256 is stored with the link and the seed alone opens nothing (reading
+    the database is not enough); a retry derives the same token, so the second copy of a
+    message carries the same working link as the first."""
+    # the label predates this module: changing it would break every link already mailed
+    mac = hmac.new(
+        settings.SECRET_KEY.encode(), b"agentops.outbox.link:" + seed.encode(), hashlib.sha256
+    )
+    return base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
+
+
+def hash_token(token: str) -> str:
+    """What a link row stores of its token."""
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def link_url(url_name: str, seed: str) -> str:
+    """The address mailed for the link made with ``seed`` (``AGENTOPS_BASE_URL``)."""
+    base = settings.AGENTOPS["BASE_URL"].rstrip("/")
+    return base + reverse(url_name, args=[link_token(seed)])
+
+
+def emailed_link(
+    *, kind: str, recipient: Any, run_id: Any, payload: dict[str, Any], create_link: Any
+) -> Email:
+    """Inside the transaction that calls for it, one recipient's emailed link: a fresh
+    seed, the link row that ``create_link(token_hash=…)`` makes with the hash of the token
+    derived from it, and the outbox email (of outbox kind ``kind``) whose payload names the
+    link and carries the seed."""
+    seed = link_seed()
+    link = create_link(token_hash=hash_token(link_token(seed)))
+    return Email(
+        kind=kind,
+        to_address=recipient.email,
+        recipient_id=recipient.pk,
+        run_id=run_id,
+        payload={**payload, "link": link.id, "seed": seed},
+    )
+
+
+# --- kinds ---------------------------------------------------------------------------------
 
 _kinds: dict[str, LinkKind] = {}
 

@@ -22,7 +22,7 @@ from django.test import Client
 from django.utils import timezone
 
 from approvals.models import ApprovalLink
-from runs import outbox
+from runs import links
 from runs.models import Question, QuestionLink, RunEvent
 from runs.services import run_create
 from tests.approvals.conftest import requested
@@ -56,7 +56,7 @@ class Case:
 
     def link_row(self) -> Any:
         model = ApprovalLink if self.kind == "approval" else QuestionLink
-        return model.objects.get(token_hash=outbox.hash_token(self.token))
+        return model.objects.get(token_hash=links.hash_token(self.token))
 
     def snapshot(self) -> tuple:
         """Everything a decision would change."""

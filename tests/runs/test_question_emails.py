@@ -15,8 +15,8 @@ from django.test import Client, override_settings
 
 from runs import outbox, sweeper
 from runs.actors import Actor
+from runs.links import hash_token
 from runs.models import OutboxMessage, Question, QuestionLink, Run
-from runs.notify import hash_token
 from runs.registry import AskQuestion
 from runs.services import run_create, run_terminate
 from runs.waits import AlreadyAnswered, question_answer
