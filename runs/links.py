@@ -13,10 +13,12 @@ A link
   request) does nothing;
 - expires with its object (the kind's service refuses a late decision; the page says so).
 
-What is shared lives here: making a token and its email (``emailed_link``), its lookup, who may use a link, its single use and the
-``<kind>.link_used`` event (who, signed in or not, from which address and user agent). What
-differs is declared by each kind (``LinkKind``): ``APPROVAL_LINKS`` in ``approvals.services``
-and ``QUESTION_LINKS`` in ``runs.waits``; their pages in ``runs.views.links``.
+What is shared lives here: making a token and its email (``emailed_link``), its lookup,
+who may use a link, its single use and the ``<kind>.link_used`` event (who, signed in or
+not, from which address and user agent). What differs is declared by each kind
+(``LinkKind``): ``APPROVAL_LINKS`` in ``approvals.services`` and ``QUESTION_LINKS`` in
+``runs.waits``; their pages (``runs.views.links.LinkPage``) in ``approvals.views`` and
+``runs.views.question_link``.
 """
 
 from __future__ import annotations

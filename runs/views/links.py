@@ -17,7 +17,7 @@ loads. The path waits in the session instead (signing in keeps the session's dat
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from django.contrib.auth.decorators import login_required
@@ -65,7 +65,7 @@ class LinkPage:
     # conflict, or PermissionDenied)
     decide: Callable[[HttpRequest, str], Any]
     # besides LinkUsed, what ``decide`` raises when the object was decided or closed meanwhile
-    conflicts: tuple[type[Exception], ...] = field(default=())
+    conflicts: tuple[type[Exception], ...] = ()
 
 
 def client_of(request: HttpRequest) -> dict[str, str]:
@@ -150,7 +150,6 @@ def link_view(page: LinkPage) -> Callable[[HttpRequest, str], HttpResponse]:
             return _page(request, page, "refused", link=link, error=str(exc))
         return _page(request, page, page.done, link=links.link_get(page.kind, token))
 
-    view.link_page = page  # type: ignore[attr-defined]
     return view
 
 
