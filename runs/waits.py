@@ -442,7 +442,8 @@ def question_answer(*, question_id: Any, answer: Any, actor: Actor) -> Question:
 
 
 # what a question link has of its own (runs.links holds the rest; its page:
-# runs.views.links): it answers only for its recipient, signed in — never a bearer link
+# runs.views.question_link): it answers only for its recipient, signed in — never a bearer
+# link
 QUESTION_LINKS = links.register(
     links.LinkKind(
         name="question",

@@ -145,7 +145,10 @@ def _question_case(request, capture) -> Case:
     )
 
 
-@pytest.fixture(params=["approval", "question"])
+KINDS = ["approval", "question"]
+
+
+@pytest.fixture(params=KINDS)
 def case(request, django_capture_on_commit_callbacks) -> Case:
     make = _approval_case if request.param == "approval" else _question_case
     return make(request, django_capture_on_commit_callbacks)
@@ -322,3 +325,9 @@ def test_what_cannot_be_decided_is_the_form_again_not_an_error(case, garbage):
     assert case.link_row().used_at is None
     # nothing was used up: the recipient can still decide
     assert browser.post(case.url(), case.valid).status_code == 200
+
+
+@pytest.mark.django_db
+def test_every_kind_of_link_is_tested_here():
+    """A kind registered later (docs/links.md, "Adding a kind") gets a ``Case`` here."""
+    assert sorted(links.kinds()) == KINDS
