@@ -5,7 +5,7 @@ reminds, escalates, rejects, expires it): one ``runs.outbox`` row per recipient,
 that commit, sent after it by whoever committed or by any worker's sweeper — a process
 killed between the commit and the send loses no email (DESIGN §9). Only the token's sha256
 is stored with the link; the outbox row holds the seed it is derived from
-(``runs.outbox.link_token``). Each attempt is recorded on the run (``approval.email_sent`` /
+(``runs.links.link_token``). Each attempt is recorded on the run (``approval.email_sent`` /
 ``approval.email_failed``); a failed one is retried with backoff.
 """
 
@@ -19,11 +19,10 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.mail import EmailMultiAlternatives
 from django.template.loader import render_to_string
-from django.urls import reverse
 
 from approvals import selectors
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
-from runs import jsonlimits, outbox
+from runs import jsonlimits, links, outbox
 from runs.masking import masker_for
 from runs.models import Run, ToolCall
 from runs.registry import call_summary
@@ -38,15 +37,6 @@ RISK = {
     "reconcilable": "side effect; it can be looked up afterwards, not undone",
     "unsafe": "side effect that can be neither deduplicated nor looked up",
 }
-
-
-def hash_token(token: str) -> str:
-    return outbox.hash_token(token)
-
-
-def link_url(token: str) -> str:
-    base = settings.AGENTOPS["BASE_URL"].rstrip("/")
-    return base + reverse("approvals:link", args=[token])
 
 
 def eligible_approvers(approval: Approval, *, principal_id: Any) -> list[Any]:
@@ -79,7 +69,7 @@ def links_create_and_email(
     """Inside the requesting transaction: one link and one outbox email per eligible
     approver. Returns how many are due to be sent."""
     emails = [
-        outbox.emailed_link(
+        links.emailed_link(
             kind=REQUEST_KIND,
             recipient=user,
             run_id=approval.run_id,
@@ -169,7 +159,7 @@ def render_request(row: Any) -> EmailMultiAlternatives | None:
         f"{prefix} needed: {context['summary']} (run {str(approval.run_id)[:8]}, "
         f"{context['run'].agent_name})"
     )
-    link_text = link_url(outbox.link_token(row.payload["seed"]))
+    link_text = links.link_url("approvals:link", row.payload["seed"])
     return _message(
         subject=subject,
         template="request",

@@ -14,6 +14,7 @@ from django.utils import timezone
 
 from approvals import notify, selectors
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
+from runs import links
 from runs.actors import Actor, PermissionDenied
 from runs.dbtime import db_now
 from runs.masking import UNMASKED, maskers_for_ids
@@ -246,51 +247,30 @@ def _apply_edit(approval: Approval, call: ToolCall, edit: _Edit) -> dict[str, An
 # --- email links ---------------------------------------------------------------------------
 
 
-class LinkInvalid(Exception):
-    """No link has this token: mistyped, truncated or forged."""
-
-    code = "not_found"
-
-
-class LinkUsed(Exception):
-    code = "already_decided"
+def _bearer_allowed(link: ApprovalLink) -> bool:
+    # a token alone decides only where the policy opted into bearer links for a 1-of-1
+    # approval (an edit may have raised the count since)
+    return not link.approval.require_login and link.approval.required_count <= 1
 
 
-class LinkNotYours(PermissionDenied):
-    """Someone signed in as another person opened an approver's link."""
-
-
-class LinkLoginRequired(PermissionDenied):
-    """The policy requires the link's approver to be signed in as well."""
+# what an approval link has of its own (runs.links holds the rest; its page: approvals.views)
+APPROVAL_LINKS = links.register(
+    links.LinkKind(
+        name="approval",
+        model=ApprovalLink,
+        subject="approval",
+        recipient="approver",
+        related=("approval__run", "approver"),
+        login_required_message="this approval requires you to sign in before deciding",
+        bearer_allowed=_bearer_allowed,
+        event_fields=lambda link: {"approval": link.approval_id, "kind": link.kind},
+    )
+)
 
 
 def approval_link_get(token: str) -> ApprovalLink:
-    """The link this token belongs to, or ``LinkInvalid``."""
-    if not token or len(token) > 128:
-        raise LinkInvalid("this link is not valid")
-    link = (
-        ApprovalLink.objects.select_related("approval", "approver")
-        .filter(token_hash=notify.hash_token(token))
-        .first()
-    )
-    if link is None:
-        raise LinkInvalid("this link is not valid")
-    return link
-
-
-def approval_link_check_user(link: ApprovalLink, user: Any) -> None:
-    """The token identifies the approver; a signed-in user must be that approver, and a
-    policy may require them to be signed in."""
-    signed_in = user is not None and user.is_authenticated
-    if signed_in and user.pk != link.approver_id:
-        raise LinkNotYours(
-            f"this link was sent to {link.approver.get_username()}; "
-            f"you are signed in as {user.get_username()}"
-        )
-    if (link.approval.require_login or link.approval.required_count > 1) and not signed_in:
-        # a link decides for its recipient signed in; a token alone only where the policy
-        # opted into bearer links for a 1-of-1 approval (an edit may have raised the count)
-        raise LinkLoginRequired("this approval requires you to sign in before deciding")
+    """The link this token belongs to, or ``runs.links.LinkInvalid``."""
+    return links.link_get(APPROVAL_LINKS, token)
 
 
 def approval_link_decide(
@@ -302,36 +282,26 @@ def approval_link_decide(
     client_ip: str = "",
     user_agent: str = "",
 ) -> Approval:
-    """Decide through an emailed link (POST only): the link is used up in the same
-    transaction as the decision, so a decision that is refused leaves it unused and a
-    second use of it decides nothing. The link's approver is the actor, channel ``email``;
-    where the request came from (address, user agent) is recorded with the link's use."""
+    """Decide through an emailed link (POST only), through ``runs.links.link_use``: the link
+    is used up in the same transaction as the decision, so a decision that is refused leaves
+    it unused and a second use of it decides nothing. The link's approver is the actor,
+    channel ``email``; where the request came from is recorded with the link's use."""
     if decision not in ApprovalDecision.DECIDING:
         raise ValueError("a link can approve or reject")
-    link = approval_link_get(token)
-    approval_link_check_user(link, user)
-    actor = Actor.for_user(link.approver, notify.EMAIL_CHANNEL)
-    with transaction.atomic():
-        # the conditional UPDATE serialises two uses of one link: the second matches nothing
-        claimed = ApprovalLink.objects.filter(id=link.id, used_at__isnull=True).update(
-            used_at=Now()
-        )
-        if claimed != 1:
-            raise LinkUsed("this link has already been used")
-        with checkpoint(link.approval.run_id, actor=actor.label, channel=actor.channel) as cp:
-            cp.event(
-                "approval.link_used",
-                approval=link.approval_id,
-                link=link.id,
-                kind=link.kind,
-                by=actor.label,
-                signed_in=user is not None and user.is_authenticated,
-                client_ip=client_ip,
-                user_agent=user_agent[:300],
-            )
+
+    def decide(link: ApprovalLink, actor: Actor) -> Approval:
         return approval_decide(
             approval_id=link.approval_id, decision=decision, actor=actor, comment=comment
         )
+
+    return links.link_use(
+        APPROVAL_LINKS,
+        token=token,
+        user=user,
+        act=decide,
+        client_ip=client_ip,
+        user_agent=user_agent,
+    )
 
 
 def approvals_expire_due(*, limit: int = 200) -> int:

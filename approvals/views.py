@@ -1,5 +1,6 @@
-"""HTML pages for approvals: the inbox, the detail page with the decision form, and the
-landing page of emailed links. Views stay thin: parse, call a selector or a service, render.
+"""HTML pages for approvals: the inbox, the detail page with the decision form, and what
+the landing page of emailed links has of its own (the rest: ``runs.views.links``). Views
+stay thin: parse, call a selector or a service, render.
 
 Every state change is a POST with CSRF. The email link's GET only renders a page with
 buttons: mail scanners and link previews open links, and must decide nothing.
@@ -15,31 +16,26 @@ from django.contrib.auth.decorators import login_required, permission_required
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
-from django.views.decorators.cache import never_cache
-from django.views.decorators.http import require_http_methods, require_POST
+from django.views.decorators.http import require_POST
 from django_htmx.middleware import HtmxDetails
 
 from approvals import selectors
-from approvals.models import Approval, ApprovalDecision
+from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from approvals.services import (
+    APPROVAL_LINKS,
     AlreadyDecided,
     ApprovalExpired,
     InvalidArguments,
-    LinkInvalid,
-    LinkLoginRequired,
-    LinkNotYours,
-    LinkUsed,
     approval_decide,
-    approval_link_check_user,
     approval_link_decide,
-    approval_link_get,
 )
 from runs import jsonlimits
 from runs.actors import Actor, PermissionDenied
 from runs.forms import UnclippedCharField
 from runs.masking import masker_for, maskers_for
+from runs.registry import call_summary
 from runs.services import InvalidInput
-from runs.views.link_sign_in import link_after_sign_in, sign_in_url_keeping_the_link
+from runs.views.links import LinkFormError, LinkPage, after_sign_in_view, client_of, link_view
 
 # what a decision's comment may hold (ApprovalDecision.comment is free text)
 COMMENT_MAX = 2000
@@ -200,33 +196,7 @@ def approval_decide_view(request: HtmxHttpRequest, approval_id: int) -> HttpResp
 # --- email links ---------------------------------------------------------------------------
 
 
-def _link_page(
-    request: HttpRequest, state: str, *, link=None, status: int = 200, error: str = ""
-) -> HttpResponse:
-    context: dict[str, Any] = {"state": state, "error": error, "link": link}
-    if link is not None:
-        approval = link.approval
-        context.update(
-            approval=approval,
-            run=approval.run,
-            # a link's page may be open without a sign-in: shown as to nobody in particular
-            arguments_json=_arguments_json(masker_for(approval.run)(approval.arguments_masked)),
-            decisions=list(approval.decisions.select_related("decider")),
-            my_decision=selectors.link_decision(link=link),
-            seconds_left=max(0, int((approval.expires_at - timezone.now()).total_seconds())),
-        )
-    if state == "login":
-        context["sign_in_url"] = _sign_in_url_keeping_the_link(request)
-    response = render(request, "approvals/link.html", context, status=status)
-    # the token is in the URL: keep it out of other sites' Referer headers and caches. Not
-    # "no-referrer": browsers then send "Origin: null" with the form's POST, which Django's
-    # CSRF check refuses (tests/browser/test_console.py opens a link in Chromium)
-    response["Referrer-Policy"] = "same-origin"
-    response["X-Robots-Tag"] = "noindex, nofollow"
-    return response
-
-
-def _link_state(link) -> str:
+def _link_state(link: ApprovalLink) -> str:
     approval = link.approval
     if approval.status == Approval.Status.EXPIRED:
         return "expired"
@@ -241,94 +211,56 @@ def _link_state(link) -> str:
     return "confirm"
 
 
-def _sign_in_url_keeping_the_link(request: HttpRequest) -> str:
-    return sign_in_url_keeping_the_link(request, after="approvals:link_after_sign_in")
+def _link_context(request: HttpRequest, link: ApprovalLink) -> dict[str, Any]:
+    approval = link.approval
+    # a link's page may be open without a sign-in: shown as to nobody in particular
+    arguments = masker_for(approval.run)(approval.arguments_masked)
+    return {
+        "approval": approval,
+        "run": approval.run,
+        # what is asked, in the words of the email's subject (issue 20, item 5)
+        "summary": call_summary(approval.tool_name, arguments),
+        "arguments_json": _arguments_json(arguments),
+        "decisions": list(approval.decisions.select_related("decider")),
+    }
 
 
-@login_required
-def approval_link_after_sign_in(request: HttpRequest) -> HttpResponse:
-    return link_after_sign_in(request, fallback="approvals:inbox")
-
-
-_LINK_STATUS = {"confirm": 200, "decided": 200, "expired": 410, "cancelled": 410}
-
-
-@never_cache
-@require_http_methods(["GET", "HEAD", "POST"])
-def approval_link(request: HttpRequest, token: str) -> HttpResponse:
-    try:
-        link = approval_link_get(token)
-    except LinkInvalid:
-        return _link_page(request, "invalid", status=404)
-    link.approval.run  # noqa: B018 -- one query now, used by every state's page
-    try:
-        approval_link_check_user(link, request.user)
-    except LinkNotYours as exc:
-        return _link_page(request, "not_yours", link=link, status=403, error=str(exc))
-    except LinkLoginRequired:
-        if request.method == "POST":
-            return redirect(_sign_in_url_keeping_the_link(request))
-        state = _link_state(link)
-        return _link_page(
-            request,
-            "login" if state == "confirm" else state,
-            link=link,
-            status=_LINK_STATUS.get(state, 200),
-        )
-    if request.method != "POST":
-        state = _link_state(link)
-        return _link_page(request, state, link=link, status=_LINK_STATUS[state])
-
+def _link_decide(request: HttpRequest, token: str) -> Approval:
     decision = request.POST.get("decision", "")
     comment = request.POST.get("comment", "").strip()
     if decision not in ApprovalDecision.DECIDING:
-        return _link_page(
-            request, "confirm", link=link, status=400, error="Choose Approve or Reject."
-        )
+        raise LinkFormError("Choose Approve or Reject.")
     if len(comment) > COMMENT_MAX or "\x00" in comment:
         # never cut silently: the approver sees why, and nothing is decided
-        return _link_page(
-            request,
-            "confirm",
-            link=link,
-            status=400,
-            error=f"The comment must be at most {COMMENT_MAX} characters, without NUL characters.",
+        raise LinkFormError(
+            f"The comment must be at most {COMMENT_MAX} characters, without NUL characters."
         )
     if decision == ApprovalDecision.Decision.REJECT and not comment:
-        return _link_page(
-            request,
-            "confirm",
-            link=link,
-            status=400,
-            error="Give a reason to reject: the agent receives it.",
-        )
+        raise LinkFormError("Give a reason to reject: the agent receives it.")
     if request.POST.get("confirm") != "yes":
         # a mail scanner or a prefetching browser that submits the page's form as it is
         # decides nothing: a person ticks the box
-        return _link_page(
-            request,
-            "confirm",
-            link=link,
-            status=400,
-            error="Tick the box to confirm that you have read what you are deciding.",
-        )
-    try:
-        approval_link_decide(
-            token=token,
-            decision=decision,
-            comment=comment,
-            user=request.user,
-            client_ip=request.META.get("REMOTE_ADDR", ""),
-            user_agent=request.META.get("HTTP_USER_AGENT", ""),
-        )
-    except (LinkUsed, AlreadyDecided) as exc:
-        link = approval_link_get(token)
-        state = _link_state(link)
-        status = 410 if state in ("expired", "cancelled") else 409
-        return _link_page(request, state, link=link, status=status, error=str(exc))
-    except ApprovalExpired as exc:
-        return _link_page(request, "expired", link=link, status=410, error=str(exc))
-    except PermissionDenied as exc:
-        return _link_page(request, "refused", link=link, status=403, error=str(exc))
-    link = approval_link_get(token)
-    return _link_page(request, "decided", link=link)
+        raise LinkFormError("Tick the box to confirm that you have read what you are deciding.")
+    return approval_link_decide(
+        token=token, decision=decision, comment=comment, user=request.user, **client_of(request)
+    )
+
+
+# what an approval's emailed link has of its own (the rest: runs.views.links)
+APPROVAL_LINK_PAGE = LinkPage(
+    kind=APPROVAL_LINKS,
+    template="approvals/link.html",
+    done="decided",
+    after_sign_in="approvals:link_after_sign_in",
+    inbox="approvals:inbox",
+    inbox_label="approvals inbox",
+    nothing_done="Nothing was decided.",
+    recipient_noun="approver",
+    state=_link_state,
+    context=_link_context,
+    decide=_link_decide,
+    conflicts=(AlreadyDecided, ApprovalExpired),
+)
+
+approval_link = link_view(APPROVAL_LINK_PAGE)
+approval_link_after_sign_in = after_sign_in_view(APPROVAL_LINK_PAGE)

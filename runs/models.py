@@ -421,9 +421,9 @@ class QuestionLink(models.Model):
     )
     token_hash = models.CharField(max_length=64, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
-    # when the email carrying it was handed to the mail server (accepted or refused); still
-    # null long after the asking commit, the process died before sending: the sweeper
-    # replaces the link and sends the email
+    # when the mail server accepted the email carrying it (runs.notify.recorded). A hint for
+    # people: what sends and resends the email is its outbox row (runs.outbox), which a
+    # sweeper sends if the asking process died first; the same link, not a new one
     mailed_at = models.DateTimeField(null=True, blank=True)
     used_at = models.DateTimeField(null=True, blank=True)
 

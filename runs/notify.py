@@ -3,7 +3,7 @@ sending them. The same rules as approval links (approvals/notify.py):
 
 - a link and its email (a ``runs.outbox`` row) are made inside the transaction that asks
   the question (the engine's ``decided`` commit); only the token's sha256 is stored with the
-  link, the outbox row holds the seed it is derived from (``runs.outbox.link_token``);
+  link, the outbox row holds the seed it is derived from (``runs.links.link_token``);
 - the emails go out after that commit, never inside a transaction: a rolled back decision
   sends nothing, and a slow mail server never holds the run's row lock. A process killed
   between the commit and the sending leaves the rows pending: a worker's sweeper sends them;
@@ -11,7 +11,8 @@ sending them. The same rules as approval links (approvals/notify.py):
   and a sent one on the link (``mailed_at``); a failed one is retried with backoff.
 
 Opening a link (GET) only shows the question and a form; answering is a POST
-(``runs.waits.question_link_answer``): mail scanners and link previews open links.
+(``runs.waits.question_link_answer``): mail scanners and link previews open links
+(docs/links.md).
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ from django.contrib.auth import get_user_model
 from django.core.mail import EmailMultiAlternatives
 from django.db.models.functions import Now
 from django.template.loader import render_to_string
-from django.urls import reverse
 
-from runs import outbox
+from runs import links, outbox
 from runs.masking import masker_for
 from runs.models import Question, QuestionLink
 
@@ -35,15 +35,6 @@ log = logging.getLogger(__name__)
 
 EMAIL_CHANNEL = "email"
 QUESTION_KIND = "question"
-
-
-def hash_token(token: str) -> str:
-    return outbox.hash_token(token)
-
-
-def link_url(token: str) -> str:
-    base = settings.AGENTOPS["BASE_URL"].rstrip("/")
-    return base + reverse("runs:question_link", args=[token])
 
 
 def eligible_recipients(question: Question) -> list[Any]:
@@ -63,7 +54,7 @@ def question_links_create_and_email(*, question: Question) -> int:
     """Inside the asking transaction: one link and one outbox email per eligible person.
     Returns how many are due to be sent."""
     emails = [
-        outbox.emailed_link(
+        links.emailed_link(
             kind=QUESTION_KIND,
             recipient=user,
             run_id=question.run_id,
@@ -100,7 +91,7 @@ def render(row: Any) -> EmailMultiAlternatives | None:
         "question_text": text,
         "run": run,
         "recipient": user,
-        "link": link_url(outbox.link_token(row.payload["seed"])),
+        "link": links.link_url("runs:question_link", row.payload["seed"]),
     }
     message = EmailMultiAlternatives(
         subject=subject,

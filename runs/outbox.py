@@ -30,9 +30,6 @@ renderer receives the row and builds the message from its payload).
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
 import logging
 import secrets
 import time
@@ -105,29 +102,6 @@ def register_kind(
     _kinds[name] = Kind(render=render, recorded=recorded)
 
 
-# --- links ----------------------------------------------------------------------------------------
-
-
-def link_seed() -> str:
-    return secrets.token_urlsafe(16)
-
-
-def link_token(seed: str) -> str:
-    """The emailed link's token, derived from the row's seed with the server's secret key.
-    Only its sha256 is stored with the link and the seed alone opens nothing (reading the
-    database is not enough); a retry derives the same token, so the second copy of a
-    message carries the same working link as the first."""
-    mac = hmac.new(
-        settings.SECRET_KEY.encode(), b"agentops.outbox.link:" + seed.encode(), hashlib.sha256
-    )
-    return base64.urlsafe_b64encode(mac.digest()).rstrip(b"=").decode()
-
-
-def hash_token(token: str) -> str:
-    """What a link row stores of its token."""
-    return hashlib.sha256(token.encode()).hexdigest()
-
-
 # --- writing (inside the calling transaction) -----------------------------------------------------
 
 
@@ -138,23 +112,6 @@ class Email:
     payload: dict[str, Any]
     recipient_id: Any = None
     run_id: Any = None
-
-
-def emailed_link(
-    *, kind: str, recipient: Any, run_id: Any, payload: dict[str, Any], create_link: Any
-) -> Email:
-    """One recipient's emailed link (approvals, questions): a fresh seed, the link row that
-    ``create_link(token_hash=…)`` makes with the hash of the token derived from it, and the
-    email whose payload names the link and carries the seed."""
-    seed = link_seed()
-    link = create_link(token_hash=hash_token(link_token(seed)))
-    return Email(
-        kind=kind,
-        to_address=recipient.email,
-        recipient_id=recipient.pk,
-        run_id=run_id,
-        payload={**payload, "link": link.id, "seed": seed},
-    )
 
 
 def _message_id() -> str:

@@ -1,7 +1,7 @@
 from django.urls import path
 
 from runs import views
-from runs.views import console, detail, link_sign_in, outcomes, question_link
+from runs.views import console, detail, outcomes, question_link
 
 app_name = "runs"
 
@@ -30,11 +30,11 @@ urlpatterns = [
     # the unknown-outcomes inbox (runs.views.outcomes)
     path("unknown/", outcomes.unknown_inbox, name="unknown"),
     path("tool-calls/<int:call_id>/resolve/", outcomes.toolcall_resolve_view, name="resolve"),
-    # emailed single-use link: GET shows the question, POST answers (runs.notify)
+    # emailed single-use link: GET shows the question, POST answers (runs.views.links)
     path("questions/link/<str:token>/", question_link.question_link, name="question_link"),
     path(
         "questions/signed-in/",
-        link_sign_in.question_link_after_sign_in,
+        question_link.question_link_after_sign_in,
         name="question_link_after_sign_in",
     ),
 ]

@@ -30,7 +30,7 @@ from django.db.models import Q
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import notify
+from runs import links, notify
 from runs.actors import Actor, PermissionDenied
 from runs.dbtime import db_now
 from runs.models import Question, QuestionLink, Run, Signal, Step
@@ -434,71 +434,43 @@ def question_answer(*, question_id: Any, answer: Any, actor: Actor) -> Question:
 # --- emailed question links (runs.notify) ---------------------------------------------------
 
 
-class LinkInvalid(Exception):
-    """No link has this token: mistyped, truncated or forged."""
-
-    code = "not_found"
-
-
-class LinkUsed(InvalidState):
-    code = "already_decided"
-
-
-class LinkLoginRequired(PermissionDenied):
-    """An emailed link answers only for its recipient, signed in."""
-
-
-class LinkNotYours(PermissionDenied):
-    """Someone signed in as another person opened a link mailed to someone else."""
+# what a question link has of its own (runs.links holds the rest; its page:
+# runs.views.question_link): it answers only for its recipient, signed in — never a bearer
+# link
+QUESTION_LINKS = links.register(
+    links.LinkKind(
+        name="question",
+        model=QuestionLink,
+        subject="question",
+        recipient="recipient",
+        related=("question__run", "question__step", "question__answered_by", "recipient"),
+        login_required_message="sign in as the person this link was sent to, to answer",
+        event_fields=lambda link: {"question_id": link.question_id},
+    )
+)
 
 
 def question_link_get(token: str) -> QuestionLink:
-    """The link this token belongs to, or ``LinkInvalid``."""
-    if not token or len(token) > 128:
-        raise LinkInvalid("this link is not valid")
-    link = (
-        QuestionLink.objects.select_related("question__run", "question__step", "recipient")
-        .filter(token_hash=notify.hash_token(token))
-        .first()
-    )
-    if link is None:
-        raise LinkInvalid("this link is not valid")
-    return link
+    """The link this token belongs to, or ``runs.links.LinkInvalid``."""
+    return links.link_get(QUESTION_LINKS, token)
 
 
-def question_link_check_user(link: QuestionLink, user: Any) -> None:
-    """A link answers only for its recipient, signed in (DESIGN §9, as approval links): the
-    token alone — a forwarded email, a mail scanner — answers nothing in their name."""
-    if user is None or not user.is_authenticated:
-        raise LinkLoginRequired("sign in as the person this link was sent to, to answer")
-    if user.pk != link.recipient_id:
-        raise LinkNotYours(
-            f"this link was sent to {link.recipient.get_username()}; "
-            f"you are signed in as {user.get_username()}"
-        )
+def question_link_answer(
+    *, token: str, answer: Any, user: Any = None, client_ip: str = "", user_agent: str = ""
+) -> Question:
+    """Answer through an emailed link (POST only), through ``runs.links.link_use``: the link
+    is used up in the same transaction as the answer, so an answer that is refused (invalid,
+    too late, already answered, the recipient no longer in the group) leaves it unused, and
+    a second use answers nothing. The link's recipient is the actor, channel ``email``."""
 
-
-def question_link_answer(*, token: str, answer: Any, user: Any = None) -> Question:
-    """Answer through an emailed link (POST only). The link is used up in the same
-    transaction as the answer: an answer that is refused (invalid, too late, already
-    answered, the recipient no longer in the group) leaves it unused, and a second use
-    answers nothing. The link's recipient is the actor, channel ``email``."""
-    link = question_link_get(token)
-    question_link_check_user(link, user)
-    actor = Actor.for_user(link.recipient, notify.EMAIL_CHANNEL)
-    with transaction.atomic():
-        # the conditional UPDATE serialises two uses of one link: the second matches nothing
-        claimed = QuestionLink.objects.filter(id=link.id, used_at__isnull=True).update(
-            used_at=Now()
-        )
-        if claimed != 1:
-            raise LinkUsed("this link has already been used")
-        with checkpoint(link.question.run_id, actor=actor.label, channel=actor.channel) as cp:
-            cp.event(
-                "question.link_used",
-                question_id=link.question_id,
-                link=link.id,
-                by=actor.label,
-                signed_in=user is not None and user.is_authenticated,
-            )
+    def answer_as(link: QuestionLink, actor: Actor) -> Question:
         return question_answer(question_id=link.question_id, answer=answer, actor=actor)
+
+    return links.link_use(
+        QUESTION_LINKS,
+        token=token,
+        user=user,
+        act=answer_as,
+        client_ip=client_ip,
+        user_agent=user_agent,
+    )

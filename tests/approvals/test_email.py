@@ -7,8 +7,8 @@ from django.core import mail
 from django.test import Client
 
 from approvals.models import Approval, ApprovalLink
-from approvals.notify import hash_token
 from runs import outbox
+from runs.links import hash_token
 from runs.models import OutboxMessage, Run
 from tests.approvals.conftest import CUSTOMER_EMAIL, LINK_PATH, link, requested, start_refund
 from tests.conftest import drive

@@ -15,8 +15,8 @@ from django.test import Client, override_settings
 
 from runs import outbox, sweeper
 from runs.actors import Actor
+from runs.links import hash_token
 from runs.models import OutboxMessage, Question, QuestionLink, Run
-from runs.notify import hash_token
 from runs.registry import AskQuestion
 from runs.services import run_create, run_terminate
 from runs.waits import AlreadyAnswered, question_answer
@@ -363,25 +363,6 @@ def test_a_link_to_a_question_of_a_terminated_run_answers_nothing(
 
 
 @pytest.mark.django_db
-def test_someone_signed_in_as_another_person_cannot_use_the_link(
-    django_capture_on_commit_callbacks, system_actor, olivia, oscar
-):
-    _, question = _asked(django_capture_on_commit_callbacks, system_actor)
-    token = token_for("olivia@example.com")
-    browser = Client()
-    browser.force_login(oscar)
-
-    page = browser.get(link(token))
-    posted = browser.post(link(token), {"answer": "pro"})
-
-    assert page.status_code == posted.status_code == 403
-    assert b"sent to olivia" in page.content
-    assert b'name="answer"' not in page.content
-    question.refresh_from_db()
-    assert question.status == Question.Status.OPEN
-
-
-@pytest.mark.django_db
 def test_a_recipient_who_left_the_group_can_no_longer_answer(
     django_capture_on_commit_callbacks, system_actor, olivia
 ):
@@ -399,21 +380,6 @@ def test_a_recipient_who_left_the_group_can_no_longer_answer(
     assert question.status == Question.Status.OPEN
     assert QuestionLink.objects.get(question=question).used_at is None
     assert "question.link_used" not in event_types(run.id)
-
-
-@pytest.mark.django_db
-def test_a_made_up_or_truncated_token_is_not_a_link(
-    django_capture_on_commit_callbacks, system_actor, olivia
-):
-    _asked(django_capture_on_commit_callbacks, system_actor)
-    token = token_for("olivia@example.com")
-    browser = Client()
-
-    for bad in (token[:-3], "x" * 43, "y" * 300):
-        page = browser.get(link(bad))
-        assert page.status_code == 404
-        assert b"not valid" in page.content
-        assert browser.post(link(bad), {"answer": "pro"}).status_code == 404
 
 
 @pytest.mark.django_db
