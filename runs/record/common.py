@@ -5,7 +5,10 @@ has its key; and which runs a worker (hosted) or an agent process (remote) may c
 
 from __future__ import annotations
 
-from django.db import models
+from collections.abc import Callable
+from typing import Any
+
+from django.db import DatabaseError, models
 from django.db.models import Q
 
 from runs.models import AgentManifest
@@ -71,3 +74,14 @@ def kind_filter(remote: bool) -> Q:
     (``runs.remote``), hosted ones only by workers: neither may claim the other's."""
     remote_names = Q(agent_name__in=AgentManifest.objects.values("name"))
     return remote_names if remote else ~remote_names
+
+
+def write_rows(cp: Any, insert: Callable[[Any], Any], update: Callable[..., int]) -> None:
+    """A checkpoint's collected rows, one statement each, through a backend's ``insert``
+    and ``update`` (in order: a row may reference one inserted before it)."""
+    for obj in cp.inserts:
+        link(obj, cp.inserts)
+        insert(obj)
+    for model, pk, values in cp.row_updates:
+        if update(model, pk, **values) != 1:
+            raise DatabaseError(f"{model.__name__} {pk} is gone: not updated")

@@ -7,13 +7,13 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from django.db import DatabaseError, models
+from django.db import models
 from django.db.models import F, Q
 from django.db.models.functions import Now
 
 from runs import dbtime
 from runs.models import Run, RunEvent
-from runs.record.common import kind_filter, link
+from runs.record.common import kind_filter, write_rows
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -62,12 +62,7 @@ def flush(
     """Write the checkpoint row by row (see ``runs.record.postgres.flush``)."""
     if unlocked:
         return 0
-    for obj in cp.inserts:
-        link(obj, cp.inserts)
-        insert(obj)
-    for model, pk, values in cp.row_updates:
-        if update(model, pk, **values) != 1:
-            raise DatabaseError(f"{model.__name__} {pk} is gone: not updated")
+    write_rows(cp, insert, update)
     if cp.events:
         RunEvent.objects.bulk_create([event.as_model() for event in cp.events])
         for listener in listeners:

@@ -29,7 +29,7 @@ from django.db.models.functions import Now
 
 from runs import dbtime
 from runs.models import AgentManifest, Run, RunEvent
-from runs.record.common import LIVE_FIELDS, link, links
+from runs.record.common import LIVE_FIELDS, link, links, write_rows
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -262,12 +262,7 @@ def flush(
         return updated
     if unlocked:
         return 0
-    for obj in cp.inserts:
-        link(obj, cp.inserts)
-        insert(obj)
-    for model, pk, values in cp.row_updates:
-        if update(model, pk, **values) != 1:
-            raise DatabaseError(f"{model.__name__} {pk} is gone: not updated")
+    write_rows(cp, insert, update)
     if not updates:
         return None
     with connection.cursor() as cursor:
