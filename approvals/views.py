@@ -38,6 +38,7 @@ from runs import jsonlimits
 from runs.actors import Actor, PermissionDenied
 from runs.forms import UnclippedCharField
 from runs.masking import masker_for, maskers_for
+from runs.registry import argument_rows, call_summary
 from runs.services import InvalidInput
 from runs.views.link_sign_in import link_after_sign_in, sign_in_url_keeping_the_link
 
@@ -129,6 +130,15 @@ def _detail(
         raise Http404("no such approval") from None
     approval = ctx.approval
     mask = masker_for(approval.run, user=request.user)
+    why_not = selectors.why_not_decide(user=request.user, approval=approval)
+    # the run's context: each tool call step as its summary and an argument table, not a dict
+    for step in ctx.steps:
+        step.call_rows = None
+        arguments = step.input.get("arguments") if isinstance(step.input, dict) else None
+        if step.kind == "tool_call" and isinstance(arguments, dict):
+            shown = mask(arguments)
+            step.call_summary = call_summary(step.input.get("tool", ""), shown)
+            step.call_rows = argument_rows(step.input.get("tool", ""), shown)
     context = {
         "ctx": ctx,
         "approval": approval,
@@ -137,7 +147,8 @@ def _detail(
         "mask": mask,
         "shown_arguments": mask(approval.arguments_masked),
         "arguments_json": _arguments_json(mask(approval.arguments_masked)),
-        "may_decide": selectors.user_may_decide(user=request.user, approval=approval),
+        "why_not": why_not,
+        "may_decide": not why_not,
         "seconds_left": max(0, int((approval.expires_at - timezone.now()).total_seconds())),
         "form": form,
         "action": form.data.get("action") if form is not None else "",

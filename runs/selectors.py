@@ -5,9 +5,8 @@ from __future__ import annotations
 import base64
 import json
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -108,6 +107,7 @@ def question_inbox(*, user: Any, recent: int = 20) -> tuple[list[Question], list
         "channel",
         "run__id",
         "run__agent_name",
+        "run__goal",
         "answered_by__username",
     )
     if not user.is_superuser:
@@ -278,72 +278,6 @@ def unknown_outcome_get(*, tool_call_id: Any) -> tuple[ToolCall, list[RunEvent]]
 
 
 @dataclass(frozen=True)
-class AttentionItem:
-    """One line of the dashboard's "needs me" list contributed by another app (the approvals
-    app registers approvals about to expire: ``runs`` never imports ``approvals``)."""
-
-    kind: str  # "approval_expiring", ...
-    title: str
-    url: str
-    run_id: Any
-    agent_name: str
-    due_at: datetime | None
-    # who may see it: the page it links to needs this permission ("" for anyone)
-    permission: str = ""
-
-
-# callables ``(limit) -> list[AttentionItem]``, each one query, soonest due first
-_attention_sources: list[Callable[[int], list[AttentionItem]]] = []
-
-
-def register_attention_source(source: Callable[[int], list[AttentionItem]]) -> None:
-    if source not in _attention_sources:
-        _attention_sources.append(source)
-
-
-def attention_from_sources(*, user: Any, limit: int = 20) -> list[AttentionItem]:
-    """What other apps say needs a person, soonest due first, only what ``user`` may open."""
-    items: list[AttentionItem] = []
-    for source in list(_attention_sources):
-        items.extend(
-            item for item in source(limit) if not item.permission or user.has_perm(item.permission)
-        )
-    far = datetime.max.replace(tzinfo=UTC)
-    return sorted(items, key=lambda item: item.due_at or far)[:limit]
-
-
-def runs_needing_attention(*, limit: int = 50) -> list[Run]:
-    """Runs parked for a person, the longest-waiting first, with the reason."""
-    return list(
-        Run.objects.filter(status=Run.Status.NEEDS_ATTENTION)
-        .only("id", "agent_name", "goal", "status", "reason_code", "reason_detail", "updated_at")
-        .order_by("updated_at")[:limit]
-    )
-
-
-def unknown_toolcalls(*, limit: int = 50) -> list[ToolCall]:
-    """Tool calls whose outcome nobody knows yet, oldest first (one query)."""
-    return list(
-        ToolCall.objects.filter(status=ToolCall.Status.UNKNOWN)
-        .select_related("run", "step")
-        .only(
-            "id",
-            "tool_name",
-            "effect",
-            "idempotency_key",
-            "attempt_count",
-            "reconcile_attempts",
-            "updated_at",
-            "run__id",
-            "run__agent_name",
-            "run__status",
-            "step__seq",
-        )
-        .order_by("updated_at")[:limit]
-    )
-
-
-@dataclass(frozen=True)
 class WorkerHealth:
     workers: list[Worker]  # each with ``.alive`` (a fresh heartbeat, not stopped)
     live: int
@@ -401,17 +335,7 @@ def event_search(
     run id prefix, by time; a page of ``size`` before the event id ``before``. Returns the
     page and the cursor of the next one (None on the last). Payloads are not loaded: the
     page names what happened and links to the run, whose page shows it (masked)."""
-    events = RunEvent.objects.select_related("run").only(
-        "id",
-        "seq",
-        "type",
-        "actor",
-        "channel",
-        "created_at",
-        "run__id",
-        "run__agent_name",
-        "run__goal",
-    )
+    events = _events_with_run_names()
     type = type.strip()
     if type.endswith("."):
         events = events.filter(type__startswith=type)
@@ -438,11 +362,22 @@ def event_search(
 
 
 def recent_events(*, limit: int = 20) -> list[RunEvent]:
-    """The latest events across all runs (the ``-created_at`` index), with the run's agent."""
-    return list(
-        RunEvent.objects.select_related("run")
-        .only("id", "seq", "type", "actor", "channel", "created_at", "run__id", "run__agent_name")
-        .order_by("-created_at", "-id")[:limit]
+    """The latest events across all runs (the ``-created_at`` index), with the run's name."""
+    return list(_events_with_run_names().order_by("-created_at", "-id")[:limit])
+
+
+def _events_with_run_names() -> QuerySet[RunEvent]:
+    """Events without payloads, with what names their run to people (agent, goal, id)."""
+    return RunEvent.objects.select_related("run").only(
+        "id",
+        "seq",
+        "type",
+        "actor",
+        "channel",
+        "created_at",
+        "run__id",
+        "run__agent_name",
+        "run__goal",
     )
 
 

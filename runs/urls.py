@@ -8,6 +8,7 @@ app_name = "runs"
 urlpatterns = [
     # the operator console (runs.views.console)
     path("", console.dashboard, name="dashboard"),
+    path("needs-you/badge/", console.needs_you_badge, name="needs_you_badge"),
     path("runs/", console.run_list, name="list"),
     path("runs/start/", console.run_start, name="start"),
     path("runs/bulk/", console.run_bulk, name="bulk"),
