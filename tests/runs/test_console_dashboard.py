@@ -321,13 +321,13 @@ def test_query_count_is_constant(
     client.force_login(operator)
 
     # session, user, permissions (user + group), counts; "Needs you": unknown calls given up
-    # on, parked runs, open questions, approvals I may decide, my API tokens, the runs I
-    # drove (separation of duties), the receipts of tools that declare a sensitive output
+    # on, parked runs, open questions, pending approvals, my groups, my decisions, my API
+    # tokens, the runs I drove (separation of duties), the receipts of tools that declare a sensitive output
     # (runs.masking); workers, recent events, recent alerts, undelivered emails and webhook
     # deliveries
-    with django_assert_num_queries(17):
+    with django_assert_num_queries(19):
         page = client.get(DASHBOARD)
-    with django_assert_num_queries(17):
+    with django_assert_num_queries(19):
         partial = client.get(DASHBOARD, headers={"HX-Request": "true"})
     assert page.status_code == partial.status_code == 200
     assert page.context["needs_you"].count == 2 * scale  # each unknown call, each approval
