@@ -230,6 +230,57 @@ def run_detail(*, run_id: Any) -> RunDetail:
     )
 
 
+def toolcall_latest_lookups(events: list[RunEvent]) -> dict[tuple[Any, Any], dict]:
+    """(run id, step seq) -> the payload of the call's latest ``tool.reconcile_attempted``,
+    from events already loaded (the unknown-outcomes pages load them anyway)."""
+    latest: dict[tuple[Any, Any], tuple[int, dict]] = {}
+    for event in events:
+        if event.type != "tool.reconcile_attempted" or not isinstance(event.payload, dict):
+            continue
+        key = (event.run_id, event.payload.get("seq"))
+        if key not in latest or latest[key][0] < event.seq:
+            latest[key] = (event.seq, event.payload)
+    return {key: payload for key, (_, payload) in latest.items()}
+
+
+_NOT_LOADED: Any = object()
+
+
+def toolcall_absence_proven(*, call: ToolCall, latest_lookup: Any = _NOT_LOADED) -> bool:
+    """Whether the record proves that the call's latest request never reached the system:
+    its latest lookup answered ``absent`` and *started* after the landing deadline of its
+    latest dispatch (DESIGN §9) — a lookup that began earlier may have looked before the
+    request landed. Only then may a person mark it failed without attesting why: a call
+    marked failed that had in fact succeeded lets the agent decide again under a new key.
+    ``latest_lookup``: that lookup's event payload if already loaded
+    (``toolcall_latest_lookups``; None when there was none), else one query."""
+    deadline = call.landing_deadline
+    if deadline is None:
+        return False
+    if (
+        call.absent_lookup is not None
+        and call.lookup_started_at is not None
+        and call.lookup_started_at >= deadline
+    ):
+        return True  # a remote agent's absent, accepted by the server (runs.remote)
+    if latest_lookup is _NOT_LOADED:
+        latest_lookup = (
+            RunEvent.objects.filter(
+                run_id=call.run_id, type="tool.reconcile_attempted", payload__seq=call.step.seq
+            )
+            .order_by("-seq")
+            .values_list("payload", flat=True)
+            .first()
+        )
+    if not latest_lookup or latest_lookup.get("outcome") != "absent":
+        return False
+    try:
+        started = datetime.fromisoformat(str(latest_lookup.get("started_at") or ""))
+    except ValueError:
+        return False
+    return started.tzinfo is not None and started >= deadline
+
+
 # the tool-call events that tell an unknown outcome's story in the inbox
 OUTCOME_EVENT_TYPES = (
     "tool.dispatching",

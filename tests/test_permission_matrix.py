@@ -346,7 +346,11 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
     "console resolve unknown outcome": (
         simple(
             unknown_call,
-            lambda w, rc: web_post(w, f"/tool-calls/{rc[1]}/resolve/", {"outcome": "not_happened"}),
+            lambda w, rc: web_post(
+                w,
+                f"/tool-calls/{rc[1]}/resolve/",
+                {"outcome": "not_happened", "attestation": "checked"},
+            ),
         ),
         OPERATE,
     ),

@@ -49,6 +49,9 @@ class ResolveForm(forms.Form):
     external_ref = UnclippedCharField(required=False, max_length=200)
     result = UnclippedCharField(required=False, max_length=RESULT_MAX_CHARS, widget=forms.Textarea)
     confirm_risk = forms.BooleanField(required=False)
+    attestation = UnclippedCharField(
+        required=False, max_length=services.ATTESTATION_MAX, widget=forms.Textarea
+    )
 
     def __init__(self, *args: Any, call: ToolCall, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -118,6 +121,7 @@ def _row(
     tools: _Tools,
     mask: Masker,
     *,
+    latest_lookup: dict | None,
     form: ResolveForm | None = None,
     error: str = "",
 ) -> dict[str, Any]:
@@ -141,6 +145,9 @@ def _row(
         # an unsafe tool has no trustworthy lookup: a person decides
         and call.effect != Effect.UNSAFE,
         "may_redispatch": waiting and current,
+        "latest_lookup": latest_lookup,
+        # marking it failed needs this proof, or the person's attestation (toolcall_resolve)
+        "absence_proven": selectors.toolcall_absence_proven(call=call, latest_lookup=latest_lookup),
         "form": form,
         "outcome": form.data.get("outcome", "") if form is not None else "",
         "error": error,
@@ -162,7 +169,17 @@ def unknown_inbox(request: HtmxHttpRequest) -> HttpResponse:
     masks = maskers_for({c.run_id: c.run for c in calls}.values(), user=request.user)
     history = _history(events, masks)
     tools = _Tools()
-    rows = [_row(c, history.get((c.run_id, c.step.seq), []), tools, masks[c.run_id]) for c in calls]
+    lookups = selectors.toolcall_latest_lookups(events)
+    rows = [
+        _row(
+            c,
+            history.get((c.run_id, c.step.seq), []),
+            tools,
+            masks[c.run_id],
+            latest_lookup=lookups.get((c.run_id, c.step.seq)),
+        )
+        for c in calls
+    ]
     context = {
         "waiting": [r for r in rows if r["waiting"]],
         "automatic": [r for r in rows if not r["waiting"] and not r["ended"]],
@@ -208,11 +225,15 @@ def toolcall_resolve_view(request: HtmxHttpRequest, call_id: int) -> HttpRespons
                 external_ref=data["external_ref"].strip(),
                 result=data["result"],
                 confirm_risk=data["confirm_risk"],
+                attestation=data["attestation"],
             )
     except ActorPermissionDenied:
         return _refused(request, "resolve unknown tool outcomes", RESOLVE)
     except services.UnsafeDispatchUnconfirmed as exc:
         form.add_error("confirm_risk", str(exc))
+        return _row_response(request, call, events, form=form, status=400)
+    except services.AttestationRequired as exc:
+        form.add_error("attestation", str(exc))
         return _row_response(request, call, events, form=form, status=400)
     except services.InvalidInput as exc:
         return _row_response(request, call, events, form=form, error=str(exc), status=400)
@@ -247,7 +268,10 @@ def _row_response(
     the card (base.html tells htmx to swap 4xx answers in); a plain POST a page of its own."""
     masks = maskers_for([call.run], user=request.user)
     history = _history(events, masks).get((call.run_id, call.step.seq), [])
-    row = _row(call, history, _Tools(), masks[call.run_id], form=form, error=error)
+    lookup = selectors.toolcall_latest_lookups(events).get((call.run_id, call.step.seq))
+    row = _row(
+        call, history, _Tools(), masks[call.run_id], latest_lookup=lookup, form=form, error=error
+    )
     may_resolve = request.user.has_perm(RESOLVE)
     template = "runs/unknown.html#outcome-row" if request.htmx else "runs/unknown_resolve.html"
     return render(

@@ -232,7 +232,7 @@ def test_a_long_inbox_shows_the_oldest_and_says_how_many_wait(
 
 RESOLUTIONS = {
     "happened": {"outcome": "happened", "external_ref": "ntf_42"},
-    "not_happened": {"outcome": "not_happened"},
+    "not_happened": {"outcome": "not_happened", "attestation": "checked the provider's log"},
     "dispatch_again": {"outcome": "dispatch_again", "confirm_risk": "on"},
 }
 
@@ -311,7 +311,9 @@ def test_not_happened_fails_the_step_and_the_agent_goes_on(client, operator, uns
     call = _stuck_unsafe(system_actor)
     client.force_login(operator)
 
-    client.post(_resolve_url(call), {"outcome": "not_happened"})
+    client.post(
+        _resolve_url(call), {"outcome": "not_happened", "attestation": "checked the provider's log"}
+    )
 
     assert Step.objects.get(id=call.step_id).status == Step.Status.FAILED
     run = drive(call.run_id)
@@ -415,7 +417,9 @@ def test_bad_input_is_a_form_error_and_changes_nothing(
 def test_resolving_twice_is_a_conflict_not_a_500(client, operator, unsafe, system_actor):
     call = _stuck_unsafe(system_actor)
     client.force_login(operator)
-    client.post(_resolve_url(call), {"outcome": "not_happened"})
+    client.post(
+        _resolve_url(call), {"outcome": "not_happened", "attestation": "checked the provider's log"}
+    )
     before = _snapshot(call)
 
     response = client.post(_resolve_url(call), {"outcome": "happened", "external_ref": "n"})
@@ -431,3 +435,18 @@ def test_unknown_call_is_404_and_get_is_refused(client, operator):
     huge = f"/tool-calls/{2**70}/resolve/"  # past any row id: SQLite cannot even bind it
     assert client.post(huge, {"outcome": "reconcile"}).status_code == 404
     assert client.get("/tool-calls/999999/resolve/").status_code == 405
+
+
+def test_not_happened_without_proof_asks_for_an_attestation(client, operator, unsafe, system_actor):
+    call = _stuck_unsafe(system_actor)
+    client.force_login(operator)
+    page = client.get("/unknown/").content.decode()
+    assert f'id="id_attest_{call.id}" name="attestation"' in page
+    assert "Latest lookup:" in page
+    before = _snapshot(call)
+
+    response = client.post(_resolve_url(call), {"outcome": "not_happened"})
+
+    assert response.status_code == 400
+    assert "attest why you know it did not happen" in response.content.decode()
+    assert _snapshot(call) == before
