@@ -314,6 +314,40 @@ def unknown_outcomes(*, limit: int = UNKNOWN_SHOWN) -> tuple[list[ToolCall], lis
     return calls, events, total
 
 
+def unknown_for_triage(
+    *,
+    tool: str = "",
+    since: datetime | None = None,
+    until: datetime | None = None,
+    limit: int = UNKNOWN_SHOWN,
+) -> tuple[list[ToolCall], list[RunEvent]]:
+    """The unknown outcomes waiting for a person (their run is in ``needs_attention``),
+    by tool and by when they were sent, oldest first, with their lookup events: two
+    queries."""
+    calls = ToolCall.objects.filter(
+        status=ToolCall.Status.UNKNOWN, run__status=Run.Status.NEEDS_ATTENTION
+    )
+    if tool:
+        calls = calls.filter(tool_name=tool)
+    if since is not None:
+        calls = calls.filter(dispatched_at__gte=since)
+    if until is not None:
+        calls = calls.filter(dispatched_at__lt=until)
+    calls = list(
+        calls.select_related("step", "run").order_by(
+            F("dispatched_at").asc(nulls_first=True), "id"
+        )[:limit]
+    )
+    if not calls:
+        return [], []
+    events = list(
+        RunEvent.objects.filter(
+            run_id__in={call.run_id for call in calls}, type="tool.reconcile_attempted"
+        ).only("id", "run_id", "seq", "type", "payload")
+    )
+    return calls, events
+
+
 def unknown_outcome_get(*, tool_call_id: Any) -> tuple[ToolCall, list[RunEvent]]:
     """One call (any status) with its run, step and receipt, and its story's events."""
     call = ToolCall.objects.select_related("step", "run", "receipt").get(id=tool_call_id)

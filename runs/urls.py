@@ -30,6 +30,7 @@ urlpatterns = [
     path("runs/<uuid:run_id>/fork/", detail.run_fork_view, name="fork"),
     # the unknown-outcomes inbox (runs.views.outcomes)
     path("unknown/", outcomes.unknown_inbox, name="unknown"),
+    path("unknown/triage/", outcomes.unknown_triage, name="unknown_triage"),
     path("tool-calls/<int:call_id>/resolve/", outcomes.toolcall_resolve_view, name="resolve"),
     # emailed single-use link: GET shows the question, POST answers (runs.notify)
     path("questions/link/<str:token>/", question_link.question_link, name="question_link"),

@@ -450,3 +450,61 @@ def test_not_happened_without_proof_asks_for_an_attestation(client, operator, un
     assert response.status_code == 400
     assert "attest why you know it did not happen" in response.content.decode()
     assert _snapshot(call) == before
+
+
+# --- triage: many at once, by tool and time window (issue 21 item 4) --------------------------
+
+TRIAGE = "/unknown/triage/"
+
+
+def test_triage_lists_waiting_calls_by_tool_with_their_latest_lookup(
+    client, operator, unsafe, system_actor
+):
+    first, second = _stuck_unsafe(system_actor), _stuck_unsafe(system_actor)
+    client.force_login(operator)
+
+    page = client.get(TRIAGE, {"tool": "outcome_notify"}).content.decode()
+    other_tool = client.get(TRIAGE, {"tool": "refund_payment"}).content.decode()
+    before_any = client.get(TRIAGE, {"until": "2000-01-01T00:00"}).content.decode()
+
+    for call in (first, second):
+        assert f'name="call" value="{call.id}" form="triage-form"' in page
+        assert f'name="call" value="{call.id}"' not in other_tool
+        assert f'name="call" value="{call.id}"' not in before_any
+    assert "no lookup (unsafe: none possible)" in page
+    assert "s3cr3t-t0k3n" not in page  # masked
+    assert f'href="/runs/{first.run_id}/"' in page
+
+
+def test_triage_marks_failed_only_with_an_attestation_where_nothing_proves_absence(
+    client, operator, unsafe, system_actor
+):
+    first, second = _stuck_unsafe(system_actor), _stuck_unsafe(system_actor)
+    client.force_login(operator)
+    ids = [first.id, second.id]
+
+    refused = client.post(TRIAGE, {"outcome": "not_happened", "call": ids}).content.decode()
+    assert refused.count("Refused: no lookup that started after the landing deadline") == 2
+    assert set(ToolCall.objects.filter(id__in=ids).values_list("status", flat=True)) == {"unknown"}
+
+    done = client.post(
+        TRIAGE,
+        {"outcome": "not_happened", "call": ids, "attestation": "provider outage: none sent"},
+    )
+    assert done.content.decode().count("Done: mark as not happened") == 2
+    assert done["HX-Trigger"] == "outcomes-changed, runs-changed"
+    for call in (first, second):
+        [resolved] = events(call.run_id, "tool.resolved")
+        assert resolved.actor == "user:olivia"
+        assert resolved.payload["attestation"] == "provider outage: none sent"
+        assert resolved.payload["absence_proven"] is False
+
+
+def test_triage_refuses_who_may_not_resolve(client, viewer, unsafe, system_actor):
+    call = _stuck_unsafe(system_actor)
+    client.force_login(viewer)
+    response = client.post(
+        TRIAGE, {"outcome": "not_happened", "call": [call.id], "attestation": "x"}
+    )
+    assert response.status_code == 403
+    assert ToolCall.objects.get(id=call.id).status == "unknown"
