@@ -83,6 +83,9 @@ def approval_context(*, approval_id: Any, event_limit: int = 30) -> ApprovalCont
     )
 
 
+PAST_TENSE = {"approve": "approved", "reject": "rejected"}
+
+
 def user_may_decide(*, user: Any, approval: Approval) -> bool:
     """Whether to offer the decision form (the service decides for real)."""
     return not why_not_decide(user=user, approval=approval)
@@ -104,7 +107,8 @@ def why_not_decide(*, user: Any, approval: Approval) -> str:
     )
     if decided is not None:
         return (
-            f"You already {decided}d it; someone else in {approval.approver_group} must decide too."
+            f"You already {PAST_TENSE.get(decided, decided)} it; someone else in "
+            f"{approval.approver_group} must decide too."
         )
     conflict = duty_conflict(user=user, approval=approval, principal_id=approval.run.principal_id)
     if conflict:

@@ -150,7 +150,7 @@ def approval_bulk(request: HtmxHttpRequest) -> HttpResponse:
             except (AlreadyDecided, ApprovalExpired, PermissionDenied, InvalidInput) as exc:
                 results[approval_id] = (False, str(exc))
             else:
-                results[approval_id] = (True, f"{decision}d")
+                results[approval_id] = (True, selectors.PAST_TENSE[decision])
     approvals = list(
         Approval.objects.select_related("run")
         .filter(id__in=data["approval"])

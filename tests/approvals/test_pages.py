@@ -366,3 +366,4 @@ def test_cannot_decide_says_which_rule_applies(client, waiting, approver, django
     )
     html = client.get(_detail(waiting)).content.decode()
     assert "You already approved it; someone else in approver must decide too." in html
+    assert "<strong>oscar</strong> approved via web" in html
