@@ -361,6 +361,28 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
         ),
         {"approver", "superuser"},
     ),
+    "console decide approvals from the inbox": (
+        simple(
+            pending_approval,
+            lambda w, ra: web_post(
+                w,
+                "/approvals/bulk/",
+                {"decision": "approve", "approval": ra[1].id, "confirm": "on"},
+            ),
+        ),
+        {"approver", "superuser"},
+    ),
+    "console triage unknown outcomes": (
+        simple(
+            unknown_call,
+            lambda w, rc: web_post(
+                w,
+                "/unknown/triage/",
+                {"outcome": "not_happened", "call": rc[1], "attestation": "checked"},
+            ),
+        ),
+        OPERATE,
+    ),
     "console answer question": (
         simple(asked, lambda w, rq: web_post(w, f"/questions/{rq[1].id}/", {"answer": "yes"})),
         {"operator", "superuser"},
