@@ -75,7 +75,13 @@ def test_approve_the_demo_refund_from_the_dashboard_in_two_clicks(
     page.goto(reverse("runs:dashboard"))
     clicks = Clicks()
 
+    # the badge in the navigation counts what the dashboard lists
+    badge = page.get_by_role("navigation", name="Main").get_by_role(
+        "link", name=re.compile("Needs you")
+    )
+    expect(badge).to_contain_text("1")
     needs_you = page.get_by_role("region", name=re.compile("Needs you"))
+    expect(needs_you.get_by_role("listitem")).to_have_count(1)
     clicks.click(needs_you.get_by_role("link", name="Refund 2,500.00 EUR to order ord_1004"))
     expect(page.get_by_role("cell", name="2,500.00 EUR").first).to_be_visible()
     clicks.click(page.get_by_role("button", name="Approve", exact=True))
