@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db.models import Prefetch, Q, QuerySet
+from django.utils import timezone
 
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs.models import ApiToken, RunEvent, Step, ToolCall
@@ -98,6 +99,8 @@ def why_not_decide(*, user: Any, approval: Approval) -> str:
         return "You do not have the approver role (permission approvals.decide_approval)."
     if approval.status != Approval.Status.PENDING:
         return f"This approval is already {approval.status}."
+    if approval.expires_at <= timezone.now():
+        return "It has expired (the sweeper records that within seconds)."
     if not user.is_superuser and not user.groups.filter(name=approval.approver_group).exists():
         return f"It is addressed to group {approval.approver_group}, and you are not in it."
     decided = (
@@ -140,8 +143,6 @@ def decidable(*, user: Any, approvals: list[Approval]) -> list[Approval]:
     """Those of ``approvals`` that ``user`` may decide now — the rules of
     ``why_not_decide`` for a whole list in at most four queries, whatever its length (the
     inbox's buttons, "Needs you"). The service still decides for real."""
-    from django.utils import timezone
-
     if not approvals or not user.has_perm("approvals.decide_approval"):
         return []
     groups = None if user.is_superuser else set(user.groups.values_list("name", flat=True))

@@ -367,3 +367,16 @@ def test_cannot_decide_says_which_rule_applies(client, waiting, approver, django
     html = client.get(_detail(waiting)).content.decode()
     assert "You already approved it; someone else in approver must decide too." in html
     assert "<strong>oscar</strong> approved via web" in html
+
+
+@pytest.mark.django_db
+def test_an_approval_past_its_expiry_says_so_and_offers_no_form(client, waiting, approver):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    Approval.objects.filter(id=waiting.id).update(expires_at=timezone.now() - timedelta(seconds=1))
+    client.force_login(approver)
+    html = client.get(_detail(waiting)).content.decode()
+    assert "It has expired" in html
+    assert 'name="action" value="approve"' not in html
