@@ -133,6 +133,7 @@ def _row(
         "call": call,
         "run": call.run,
         "history": history,
+        "shown_arguments": mask(call.arguments_masked),
         "arguments_json": jsonlimits.pretty(mask(call.arguments_masked)),
         "last_error": mask(call.last_error),
         "unsafe": call.effect == Effect.UNSAFE,

@@ -443,6 +443,9 @@ def test_not_happened_without_proof_asks_for_an_attestation(client, operator, un
     page = client.get("/unknown/").content.decode()
     assert f'id="id_attest_{call.id}" name="attestation"' in page
     assert "Latest lookup:" in page
+    # the request as a table, masked values masked (issue 21 item 1)
+    assert '<tr><th scope="row">token</th><td>***</td></tr>' in page
+    assert "s3cr3t-t0k3n" not in page
     before = _snapshot(call)
 
     response = client.post(_resolve_url(call), {"outcome": "not_happened"})
