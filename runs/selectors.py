@@ -694,11 +694,14 @@ def recent_alerts(*, limit: int = 10) -> list[Alert]:
     its cause went away (runs.alerts)."""
     return list(
         Alert.objects.filter(created_at__gte=Now() - timedelta(days=1))
+        .select_related("run")
         .only(
             "id",
             "cause",
             "kind",
-            "run_id",
+            "run__id",
+            "run__agent_name",
+            "run__goal",
             "worker_name",
             "detail",
             "created_at",

@@ -420,7 +420,8 @@ def test_recent_alerts_say_whether_operators_were_emailed(client, viewer, system
     html = client.get(DASHBOARD).content.decode()
 
     section = html[html.index('id="alerts-heading"') :]
-    assert f"<code>{str(parked.id)[:8]}</code></a>\n              needs attention" in section
+    # the run named by agent, goal and short id (issue 21)
+    assert f"{str(parked.id)[:8]}</a>\n              needs attention" in section
     assert "<code>w-frozen</code>\n              worker looks frozen" in section
     assert section.count('<span class="result-ok">emailed</span>') == 2
 
