@@ -42,6 +42,8 @@ class NeedsYouItem:
     since: datetime | None = None
     detail: str = ""
     reason_code: str = ""
+    # why the run stopped for a person, as this viewer may see it (runs.masking)
+    reason: str = ""
 
 
 NeedsYouSource = Callable[[Any, int], list[NeedsYouItem]]
@@ -88,11 +90,10 @@ def _builtin_sources() -> list[NeedsYouSource]:
 
 def _unknown_and_parked(user: Any, limit: int) -> list[NeedsYouItem]:
     """Runs in ``needs_attention`` (operators) and the unknown outcomes that stopped them
-    (who may resolve calls): two queries."""
-    items: list[NeedsYouItem] = []
-    covered: set[Any] = set()
+    (who may resolve calls): two queries, and one for masking their reasons."""
+    calls: list[ToolCall] = []
     if user.has_perm("runs.resolve_toolcall"):
-        calls = (
+        calls = list(
             ToolCall.objects.filter(
                 status=ToolCall.Status.UNKNOWN, run__status=Run.Status.NEEDS_ATTENTION
             )
@@ -106,51 +107,55 @@ def _unknown_and_parked(user: Any, limit: int) -> list[NeedsYouItem]:
                 "run__id",
                 "run__agent_name",
                 "run__goal",
+                "run__reason_detail",
                 "step__seq",
             )
             .order_by("updated_at", "id")[:limit]
         )
-        for call in calls:
-            # its run is listed as this call: one thing, one entry
-            covered.add(call.run_id)
-            items.append(
-                NeedsYouItem(
-                    kind="unknown_outcome",
-                    key=f"toolcall:{call.id}",
-                    title=f"Resolve the unknown outcome of {call.tool_name} (call #{call.step.seq})",
-                    url=reverse("runs:unknown") + f"#call-{call.id}",
-                    run_id=call.run_id,
-                    run_agent=call.run.agent_name,
-                    run_goal=call.run.goal,
-                    since=call.updated_at,
-                    detail=f"{call.effect} · {call.reconcile_attempts} lookup"
-                    + ("" if call.reconcile_attempts == 1 else "s"),
-                )
-            )
+    # a run stopped at its unknown call is listed as that call: one thing, one entry
+    covered = {call.run_id for call in calls}
+    runs: list[Run] = []
     if user.has_perm("runs.operate_run"):
-        runs = (
-            Run.objects.filter(status=Run.Status.NEEDS_ATTENTION)
+        runs = [
+            run
+            for run in Run.objects.filter(status=Run.Status.NEEDS_ATTENTION)
             .only("id", "agent_name", "goal", "reason_code", "reason_detail", "updated_at")
             .order_by("updated_at", "id")[:limit]
+            if run.id not in covered
+        ]
+    # a reason may quote a value the agent read (runs.masking): shown masked
+    masks = maskers_for([*{call.run_id: call.run for call in calls}.values(), *runs], user=user)
+    items = [
+        NeedsYouItem(
+            kind="unknown_outcome",
+            key=f"toolcall:{call.id}",
+            title=f"Resolve the unknown outcome of {call.tool_name} (call #{call.step.seq})",
+            url=reverse("runs:unknown") + f"#call-{call.id}",
+            run_id=call.run_id,
+            run_agent=call.run.agent_name,
+            run_goal=call.run.goal,
+            since=call.updated_at,
+            detail=f"{call.effect} · {call.reconcile_attempts} lookup"
+            + ("" if call.reconcile_attempts == 1 else "s"),
+            reason=str(masks[call.run_id](call.run.reason_detail) or ""),
         )
-        runs = [run for run in runs if run.id not in covered]
-        # a reason may quote a value the agent read (runs.masking): shown masked
-        masks = maskers_for(runs, user=user)
-        for run in runs:
-            items.append(
-                NeedsYouItem(
-                    kind="needs_attention",
-                    key=f"run:{run.id}",
-                    title="Decide what this run does next",
-                    url=reverse("runs:detail", args=[run.id]),
-                    run_id=run.id,
-                    run_agent=run.agent_name,
-                    run_goal=run.goal,
-                    since=run.updated_at,
-                    reason_code=run.reason_code,
-                    detail=str(masks[run.id](run.reason_detail) or ""),
-                )
-            )
+        for call in calls
+    ]
+    items.extend(
+        NeedsYouItem(
+            kind="needs_attention",
+            key=f"run:{run.id}",
+            title="Decide what this run does next",
+            url=reverse("runs:detail", args=[run.id]),
+            run_id=run.id,
+            run_agent=run.agent_name,
+            run_goal=run.goal,
+            since=run.updated_at,
+            reason_code=run.reason_code,
+            reason=str(masks[run.id](run.reason_detail) or ""),
+        )
+        for run in runs
+    )
     return items
 
 

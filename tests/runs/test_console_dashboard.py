@@ -324,12 +324,12 @@ def test_query_count_is_constant(
 
     # session, user, permissions (user + group), counts; "Needs you": unknown calls given up
     # on, parked runs, open questions, pending approvals, my groups, my decisions, my API
-    # tokens, the runs I drove (separation of duties), the receipts of tools that declare a sensitive output
-    # (runs.masking); workers, recent events, recent alerts, undelivered emails and webhook
-    # deliveries
-    with django_assert_num_queries(19):
+    # tokens, the runs I drove (separation of duties), and twice the receipts of tools that
+    # declare a sensitive output (runs.masking: the calls' reasons, the approvals); workers,
+    # recent events, recent alerts, undelivered emails and webhook deliveries
+    with django_assert_num_queries(20):
         page = client.get(DASHBOARD)
-    with django_assert_num_queries(19):
+    with django_assert_num_queries(20):
         partial = client.get(DASHBOARD, headers={"HX-Request": "true"})
     assert page.status_code == partial.status_code == 200
     assert page.context["needs_you"].count == 2 * scale  # each unknown call, each approval
