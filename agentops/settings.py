@@ -472,7 +472,6 @@ AGENTOPS = {
     # cause is emailed to operators once, however often it is seen
     "ALERT_INTERVAL": env_float("AGENTOPS_ALERT_INTERVAL", 5.0),
     # the dashboard's "needs me" list shows pending approvals expiring within this many seconds
-    "APPROVAL_EXPIRING_WITHIN": env_float("AGENTOPS_APPROVAL_EXPIRING_WITHIN", 3600.0),
 }
 if AGENTOPS["OUTBOX_CLAIM_SECONDS"] <= AGENTOPS["OUTBOX_SEND_TIMEOUT"] + 1:
     # the pre-send check would never pass: no message would ever be sent

@@ -23,11 +23,11 @@ class ApprovalsConfig(AppConfig):
         register_sweep_hook(approvals_expire_due)
         register_sweep_hook(approvals_remind_due)
 
-        # the console dashboard's "needs me" list shows approvals about to expire
-        from approvals.selectors import approvals_expiring_soon
-        from runs.selectors import register_attention_source
+        # "Needs you" (runs.needs_you) lists the approvals the signed-in person may decide
+        from approvals.selectors import approvals_needing_me
+        from runs.needs_you import register_needs_you_source
 
-        register_attention_source(approvals_expiring_soon)
+        register_needs_you_source(approvals_needing_me)
 
         # /metrics: approvals pending, overdue and settled (runs/metrics.py)
         from approvals.metrics import collect_approvals

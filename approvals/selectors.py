@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from django.db.models import Prefetch, Q, QuerySet
+from django.utils import timezone
 
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs.models import ApiToken, RunEvent, Step, ToolCall
@@ -83,19 +84,46 @@ def approval_context(*, approval_id: Any, event_limit: int = 30) -> ApprovalCont
     )
 
 
+PAST_TENSE = {"approve": "approved", "reject": "rejected"}
+
+
 def user_may_decide(*, user: Any, approval: Approval) -> bool:
     """Whether to offer the decision form (the service decides for real)."""
+    return not why_not_decide(user=user, approval=approval)
+
+
+def why_not_decide(*, user: Any, approval: Approval) -> str:
+    """The one rule that keeps ``user`` from deciding ``approval``, in words ("" when they
+    may): the page says which applies instead of listing every possibility."""
     if not user.has_perm("approvals.decide_approval"):
-        return False
+        return "You do not have the approver role (permission approvals.decide_approval)."
     if approval.status != Approval.Status.PENDING:
-        return False
+        return f"This approval is already {approval.status}."
+    if approval.expires_at <= timezone.now():
+        return "It has expired (the sweeper records that within seconds)."
     if not user.is_superuser and not user.groups.filter(name=approval.approver_group).exists():
-        return False
-    if duty_conflict(user=user, approval=approval, principal_id=approval.run.principal_id):
-        return False
-    return not approval.decisions.filter(
-        decider=user, decision__in=ApprovalDecision.DECIDING
-    ).exists()
+        return f"It is addressed to group {approval.approver_group}, and you are not in it."
+    decided = (
+        approval.decisions.filter(decider=user, decision__in=ApprovalDecision.DECIDING)
+        .values_list("decision", flat=True)
+        .first()
+    )
+    if decided is not None:
+        return (
+            f"You already {PAST_TENSE.get(decided, decided)} it; someone else in "
+            f"{approval.approver_group} must decide too."
+        )
+    conflict = duty_conflict(user=user, approval=approval, principal_id=approval.run.principal_id)
+    if conflict:
+        who = "someone else"
+        if conflict.startswith("the run's principal"):
+            who = f"another member of {approval.approver_group}"
+            conflict = (
+                f"You are the run's principal ({user.get_username()}): the run acts as you, "
+                "and nobody approves their own action"
+            )
+        return f"{conflict[0].upper()}{conflict[1:]}; {who} must decide it."
+    return ""
 
 
 def link_decision(*, link: ApprovalLink) -> ApprovalDecision | None:
@@ -111,34 +139,82 @@ def link_decision(*, link: ApprovalLink) -> ApprovalDecision | None:
     )
 
 
-def approvals_expiring_soon(limit: int) -> list[Any]:
-    """Pending approvals that expire within ``APPROVAL_EXPIRING_WITHIN`` seconds, soonest
-    first, for the console dashboard's "needs me" list (one query; registered in
-    ``ApprovalsConfig.ready`` so that ``runs`` never imports ``approvals``)."""
-    from datetime import timedelta
+def decidable(*, user: Any, approvals: list[Approval]) -> list[Approval]:
+    """Those of ``approvals`` that ``user`` may decide now — the rules of
+    ``why_not_decide`` for a whole list in at most four queries, whatever its length (the
+    inbox's buttons, "Needs you"). The service still decides for real."""
+    if not approvals or not user.has_perm("approvals.decide_approval"):
+        return []
+    groups = None if user.is_superuser else set(user.groups.values_list("name", flat=True))
+    now = timezone.now()
+    candidates = [
+        a
+        for a in approvals
+        if a.status == Approval.Status.PENDING
+        and a.expires_at > now
+        and (groups is None or a.approver_group in groups)
+        and (a.allow_self_approval or a.run.principal_id != user.pk)
+    ]
+    decided = set(
+        ApprovalDecision.objects.filter(
+            approval_id__in=[a.id for a in candidates],
+            decider=user,
+            decision__in=ApprovalDecision.DECIDING,
+        ).values_list("approval_id", flat=True)
+    )
+    candidates = [a for a in candidates if a.id not in decided]
+    separated = {a.run_id for a in candidates if a.separate_duties}
+    drove: set[Any] = set()
+    if separated:
+        label = f"user:{user.get_username()}"
+        tokens = ApiToken.objects.filter(Q(principal=user) | Q(created_by=label)).values_list(
+            "name", flat=True
+        )
+        drove = set(
+            RunEvent.objects.filter(
+                run_id__in=separated,
+                type__in=DRIVING_EVENTS,
+                actor__in=[label, *(f"token:{name}" for name in tokens)],
+            ).values_list("run_id", flat=True)
+        )
+    return [a for a in candidates if not (a.separate_duties and a.run_id in drove)]
 
-    from django.conf import settings
+
+def approvals_needing_me(user: Any, limit: int) -> list[Any]:
+    """Pending, unexpired approvals ``user`` may decide, soonest to expire first, for the
+    console's "Needs you" (``runs.needs_you``; registered in ``ApprovalsConfig.ready`` so
+    that ``runs`` never imports ``approvals``): a person is never told to decide what the
+    service would refuse."""
     from django.db.models.functions import Now
     from django.urls import reverse
 
-    from runs.selectors import AttentionItem
+    from runs.masking import maskers_for
+    from runs.needs_you import NeedsYouItem
+    from runs.registry import call_summary
 
-    within = timedelta(seconds=settings.AGENTOPS["APPROVAL_EXPIRING_WITHIN"])
-    approvals = (
-        Approval.objects.filter(status=Approval.Status.PENDING, expires_at__lte=Now() + within)
-        .select_related("run")
-        .only("id", "tool_name", "approver_group", "expires_at", "run__id", "run__agent_name")
-        .order_by("expires_at")[:limit]
+    if not user.has_perm("approvals.decide_approval"):
+        return []
+    approvals = list(
+        _visible_to(user)
+        .filter(status=Approval.Status.PENDING, expires_at__gt=Now())
+        .exclude(Q(run__principal=user) & Q(allow_self_approval=False))
+        .order_by("expires_at", "id")[:limit]
     )
+    approvals = decidable(user=user, approvals=approvals)
+    masks = maskers_for({a.run_id: a.run for a in approvals}.values(), user=user)
     return [
-        AttentionItem(
-            kind="approval_expiring",
-            title=f"Approve {approval.tool_name} ({approval.approver_group})",
+        NeedsYouItem(
+            kind="approval",
+            key=f"approval:{approval.id}",
+            title=call_summary(
+                approval.tool_name, masks[approval.run_id](approval.arguments_masked)
+            ),
             url=reverse("approvals:detail", args=[approval.id]),
             run_id=approval.run_id,
-            agent_name=approval.run.agent_name,
+            run_agent=approval.run.agent_name,
+            run_goal=approval.run.goal,
             due_at=approval.expires_at,
-            permission="approvals.view_approval",
+            detail=f"approval for {approval.approver_group}",
         )
         for approval in approvals
     ]

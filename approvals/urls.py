@@ -6,6 +6,7 @@ app_name = "approvals"
 
 urlpatterns = [
     path("", views.approval_inbox, name="inbox"),
+    path("bulk/", views.approval_bulk, name="bulk"),
     path("<int:approval_id>/", views.approval_detail, name="detail"),
     path("<int:approval_id>/decide/", views.approval_decide_view, name="decide"),
     path("link/<str:token>/", views.approval_link, name="link"),

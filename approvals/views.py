@@ -13,6 +13,7 @@ from typing import Any
 from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required, permission_required
+from django.db import transaction
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -33,7 +34,7 @@ from runs import jsonlimits
 from runs.actors import Actor, PermissionDenied
 from runs.forms import UnclippedCharField
 from runs.masking import masker_for, maskers_for
-from runs.registry import call_summary
+from runs.registry import argument_rows, call_summary
 from runs.services import InvalidInput
 from runs.views.links import LinkFormError, LinkPage, after_sign_in_view, client_of, link_view
 
@@ -60,8 +61,14 @@ def approval_inbox(request: HtmxHttpRequest) -> HttpResponse:
     masks = maskers_for([a.run for a in inbox.pending], user=request.user)
     for approval in inbox.pending:
         approval.shown_arguments = masks[approval.run_id](approval.arguments_masked)
+    # the rows this approver may decide get buttons (and a box for the bulk actions)
+    mine = {a.id for a in selectors.decidable(user=request.user, approvals=inbox.pending)}
+    for approval in inbox.pending:
+        approval.mine = approval.id in mine
     context = {
         "inbox": inbox,
+        "decidable": len(mine),
+        "bulk_limit": BULK_LIMIT,
         "pending": [(a, max(0, int((a.expires_at - now).total_seconds()))) for a in inbox.pending],
         "agent": agent,
         "tool": tool,
@@ -69,6 +76,109 @@ def approval_inbox(request: HtmxHttpRequest) -> HttpResponse:
     # the periodic refresh and the filter ask for the list only
     template = "approvals/inbox.html#inbox-list" if request.htmx else "approvals/inbox.html"
     return render(request, template, context)
+
+
+# --- decide from the list: one or many, after a confirmation that shows each call ---------
+
+BULK_LIMIT = 100
+
+
+class BulkForm(forms.Form):
+    decision = forms.ChoiceField(choices=[("approve", "Approve"), ("reject", "Reject")])
+    approval = forms.TypedMultipleChoiceField(coerce=int, choices=[])
+    comment = UnclippedCharField(required=False, max_length=COMMENT_MAX, widget=forms.Textarea)
+    confirm = forms.BooleanField(required=False)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # any id is a valid choice here: one that is not pending, or not the approver's, is
+        # listed as refused with the reason, not a form error
+        ids = self.data.getlist("approval") if hasattr(self.data, "getlist") else []
+        self.fields["approval"].choices = [(i, i) for i in ids[:BULK_LIMIT]]
+
+    def clean_approval(self) -> list[int]:
+        ids = self.cleaned_data["approval"]
+        if len(ids) > BULK_LIMIT:
+            raise forms.ValidationError(f"Choose at most {BULK_LIMIT} approvals at a time.")
+        return list(dict.fromkeys(ids))
+
+    def clean(self) -> dict[str, Any]:
+        data = super().clean()
+        if (
+            data.get("confirm")
+            and data.get("decision") == "reject"
+            and not data.get("comment", "").strip()
+        ):
+            self.add_error("comment", "Give a reason to reject: each agent receives it.")
+        return data
+
+
+@login_required
+@permission_required("approvals.view_approval", raise_exception=True)
+@require_POST
+def approval_bulk(request: HtmxHttpRequest) -> HttpResponse:
+    """Approve or reject one or many approvals from the inbox. The first POST shows what
+    would be decided — each call's summary and arguments, and which of them the approver
+    may not decide and why — and decides nothing; the confirmed POST decides each one on
+    its own through ``approval_decide`` (one refusal stops none of the others) and lists
+    what happened to each."""
+    form = BulkForm(request.POST)
+    if not form.is_valid():
+        context = {"form": form, "items": [], "stage": "invalid"}
+        return render(request, "approvals/bulk.html", context, status=400)
+    data = form.cleaned_data
+    decision = data["decision"]
+    results: dict[int, tuple[bool, str]] = {}
+    if data["confirm"]:
+        actor = Actor.for_user(request.user, "web")
+        for approval_id in data["approval"]:
+            try:
+                with transaction.atomic():
+                    approval_decide(
+                        approval_id=approval_id,
+                        decision=decision,
+                        actor=actor,
+                        comment=data["comment"].strip(),
+                    )
+            except Approval.DoesNotExist:
+                results[approval_id] = (False, "No such approval.")
+            except (AlreadyDecided, ApprovalExpired, PermissionDenied, InvalidInput) as exc:
+                results[approval_id] = (False, str(exc))
+            else:
+                results[approval_id] = (True, selectors.PAST_TENSE[decision])
+    approvals = list(
+        Approval.objects.select_related("run")
+        .filter(id__in=data["approval"])
+        .order_by("expires_at", "id")
+    )
+    masks = maskers_for({a.run_id: a.run for a in approvals}.values(), user=request.user)
+    mine = {a.id for a in selectors.decidable(user=request.user, approvals=approvals)}
+    items = []
+    for approval in approvals:
+        shown = masks[approval.run_id](approval.arguments_masked)
+        why_not = ""
+        if not data["confirm"] and approval.id not in mine:
+            why_not = selectors.why_not_decide(user=request.user, approval=approval)
+        items.append(
+            {
+                "approval": approval,
+                "shown_arguments": shown,
+                "why_not": why_not,
+                "result": results.get(approval.id),
+            }
+        )
+    context = {
+        "form": form,
+        "decision": decision,
+        "items": items,
+        "decidable": [item for item in items if not item["why_not"]],
+        "stage": "done" if data["confirm"] else "review",
+        "comment": data["comment"],
+    }
+    response = render(request, "approvals/bulk.html", context)
+    if data["confirm"]:
+        response["HX-Trigger"] = "runs-changed"
+    return response
 
 
 # --- detail + decision form ----------------------------------------------------------------
@@ -125,6 +235,15 @@ def _detail(
         raise Http404("no such approval") from None
     approval = ctx.approval
     mask = masker_for(approval.run, user=request.user)
+    why_not = selectors.why_not_decide(user=request.user, approval=approval)
+    # the run's context: each tool call step as its summary and an argument table, not a dict
+    for step in ctx.steps:
+        step.call_rows = None
+        arguments = step.input.get("arguments") if isinstance(step.input, dict) else None
+        if step.kind == "tool_call" and isinstance(arguments, dict):
+            shown = mask(arguments)
+            step.call_summary = call_summary(step.input.get("tool", ""), shown)
+            step.call_rows = argument_rows(step.input.get("tool", ""), shown)
     context = {
         "ctx": ctx,
         "approval": approval,
@@ -133,7 +252,8 @@ def _detail(
         "mask": mask,
         "shown_arguments": mask(approval.arguments_masked),
         "arguments_json": _arguments_json(mask(approval.arguments_masked)),
-        "may_decide": selectors.user_may_decide(user=request.user, approval=approval),
+        "why_not": why_not,
+        "may_decide": not why_not,
         "seconds_left": max(0, int((approval.expires_at - timezone.now()).total_seconds())),
         "form": form,
         "action": form.data.get("action") if form is not None else "",

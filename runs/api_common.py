@@ -130,7 +130,8 @@ def _translate(exc: Exception) -> tuple[str, str, dict[str, list[str]] | None] |
     if isinstance(exc, exceptions.UnsupportedMediaType):
         return "unsupported_media_type", str(exc.detail), None
     if isinstance(exc, UnknownAgent | UnknownTool):
-        return "unknown_agent", str(exc).strip("'\""), None
+        # the message as written ("unknown agent 'nope'"): stripping quotes unbalanced it
+        return "unknown_agent", str(exc.args[0]) if exc.args else str(exc), None
     if isinstance(exc, LeaseLost):
         return "lease_lost", str(exc), None
     if isinstance(exc, IntegrityError):

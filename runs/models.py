@@ -588,6 +588,7 @@ class WebhookDelivery(models.Model):
 
     class Meta:
         ordering = ["-created_at"]
+        verbose_name_plural = "webhook deliveries"
         indexes = [
             models.Index(
                 fields=["next_attempt_at"], name="webhook_due_idx", condition=Q(status="pending")

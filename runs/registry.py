@@ -219,6 +219,10 @@ class Tool:
     # ord_1004"), from its arguments with the sensitive fields masked (``call_summary``):
     # the approval email's subject and body, the approval page, the inbox and the timeline
     summary: Callable[[Mapping[str, Any]], str] | None = None
+    # Arguments that are amounts of money in minor units, and their currency: an ISO 4217
+    # code ("EUR"), or the name of another argument of the call that holds it. Shown to
+    # people as "2,500.00 EUR" (``argument_rows``), never as ``250000``.
+    money_arguments: Mapping[str, str] = field(default_factory=dict)
     declared_version: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -231,6 +235,7 @@ class Tool:
             raise ValueError(f"tool {self.name}: timeout must be positive")
         jsonschema.Draft202012Validator.check_schema(self.schema)
         self.compatible_with = tuple(self.compatible_with)
+        self.money_arguments = dict(self.money_arguments)
         self.sensitive_output = tuple(self.sensitive_output)
         for path in self.sensitive_output:
             if not path_is_valid(path):
@@ -304,6 +309,28 @@ def call_summary(tool_name: str, arguments_masked: Mapping[str, Any]) -> str:
     return text if len(text) <= SUMMARY_MAX else text[: SUMMARY_MAX - 1] + "…"
 
 
+def argument_rows(tool_name: str, arguments_shown: Any) -> list[tuple[str, str]]:
+    """A call's arguments as (name, text) rows for people, from the arguments as the viewer
+    may see them (masked values stay ``***``): money with its currency (the tool's
+    ``money_arguments``), text as it is, anything nested as compact JSON."""
+    if not isinstance(arguments_shown, Mapping):
+        return [("", json.dumps(arguments_shown, default=str))]
+    found = registry.local_tool(tool_name)
+    moneys = found.money_arguments if found is not None else {}
+    rows = []
+    for name, value in arguments_shown.items():
+        currency = moneys.get(name)
+        if currency is not None and isinstance(value, int) and not isinstance(value, bool):
+            code = arguments_shown.get(currency, currency)
+            text = money(value, str(code))
+        elif isinstance(value, str):
+            text = value
+        else:
+            text = json.dumps(value, default=str, ensure_ascii=False)
+        rows.append((str(name), text))
+    return rows
+
+
 def money(amount_minor: int, currency: str, *, exponent: int = 2) -> str:
     """An amount in minor units with its currency, as people read it: 250000, "EUR" →
     "2,500.00 EUR"."""
@@ -346,6 +373,7 @@ NOT_IN_FINGERPRINT = frozenset(
         "sensitive_output",
         # how a call is described to people, like ``description``
         "summary",
+        "money_arguments",
     }
 )
 _FINGERPRINT_LENGTH = 16  # hex characters; ToolCall.tool_version holds up to 64

@@ -5,9 +5,8 @@ from __future__ import annotations
 import base64
 import json
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
@@ -108,6 +107,7 @@ def question_inbox(*, user: Any, recent: int = 20) -> tuple[list[Question], list
         "channel",
         "run__id",
         "run__agent_name",
+        "run__goal",
         "answered_by__username",
     )
     if not user.is_superuser:
@@ -230,6 +230,57 @@ def run_detail(*, run_id: Any) -> RunDetail:
     )
 
 
+def toolcall_latest_lookups(events: list[RunEvent]) -> dict[tuple[Any, Any], dict]:
+    """(run id, step seq) -> the payload of the call's latest ``tool.reconcile_attempted``,
+    from events already loaded (the unknown-outcomes pages load them anyway)."""
+    latest: dict[tuple[Any, Any], tuple[int, dict]] = {}
+    for event in events:
+        if event.type != "tool.reconcile_attempted" or not isinstance(event.payload, dict):
+            continue
+        key = (event.run_id, event.payload.get("seq"))
+        if key not in latest or latest[key][0] < event.seq:
+            latest[key] = (event.seq, event.payload)
+    return {key: payload for key, (_, payload) in latest.items()}
+
+
+_NOT_LOADED: Any = object()
+
+
+def toolcall_absence_proven(*, call: ToolCall, latest_lookup: Any = _NOT_LOADED) -> bool:
+    """Whether the record proves that the call's latest request never reached the system:
+    its latest lookup answered ``absent`` and *started* after the landing deadline of its
+    latest dispatch (DESIGN §9) — a lookup that began earlier may have looked before the
+    request landed. Only then may a person mark it failed without attesting why: a call
+    marked failed that had in fact succeeded lets the agent decide again under a new key.
+    ``latest_lookup``: that lookup's event payload if already loaded
+    (``toolcall_latest_lookups``; None when there was none), else one query."""
+    deadline = call.landing_deadline
+    if deadline is None:
+        return False
+    if (
+        call.absent_lookup is not None
+        and call.lookup_started_at is not None
+        and call.lookup_started_at >= deadline
+    ):
+        return True  # a remote agent's absent, accepted by the server (runs.remote)
+    if latest_lookup is _NOT_LOADED:
+        latest_lookup = (
+            RunEvent.objects.filter(
+                run_id=call.run_id, type="tool.reconcile_attempted", payload__seq=call.step.seq
+            )
+            .order_by("-seq")
+            .values_list("payload", flat=True)
+            .first()
+        )
+    if not latest_lookup or latest_lookup.get("outcome") != "absent":
+        return False
+    try:
+        started = datetime.fromisoformat(str(latest_lookup.get("started_at") or ""))
+    except ValueError:
+        return False
+    return started.tzinfo is not None and started >= deadline
+
+
 # the tool-call events that tell an unknown outcome's story in the inbox
 OUTCOME_EVENT_TYPES = (
     "tool.dispatching",
@@ -263,6 +314,40 @@ def unknown_outcomes(*, limit: int = UNKNOWN_SHOWN) -> tuple[list[ToolCall], lis
     return calls, events, total
 
 
+def unknown_for_triage(
+    *,
+    tool: str = "",
+    since: datetime | None = None,
+    until: datetime | None = None,
+    limit: int = UNKNOWN_SHOWN,
+) -> tuple[list[ToolCall], list[RunEvent]]:
+    """The unknown outcomes waiting for a person (their run is in ``needs_attention``),
+    by tool and by when they were sent, oldest first, with their lookup events: two
+    queries."""
+    calls = ToolCall.objects.filter(
+        status=ToolCall.Status.UNKNOWN, run__status=Run.Status.NEEDS_ATTENTION
+    )
+    if tool:
+        calls = calls.filter(tool_name=tool)
+    if since is not None:
+        calls = calls.filter(dispatched_at__gte=since)
+    if until is not None:
+        calls = calls.filter(dispatched_at__lt=until)
+    calls = list(
+        calls.select_related("step", "run").order_by(
+            F("dispatched_at").asc(nulls_first=True), "id"
+        )[:limit]
+    )
+    if not calls:
+        return [], []
+    events = list(
+        RunEvent.objects.filter(
+            run_id__in={call.run_id for call in calls}, type="tool.reconcile_attempted"
+        ).only("id", "run_id", "seq", "type", "payload")
+    )
+    return calls, events
+
+
 def unknown_outcome_get(*, tool_call_id: Any) -> tuple[ToolCall, list[RunEvent]]:
     """One call (any status) with its run, step and receipt, and its story's events."""
     call = ToolCall.objects.select_related("step", "run", "receipt").get(id=tool_call_id)
@@ -275,72 +360,6 @@ def unknown_outcome_get(*, tool_call_id: Any) -> tuple[ToolCall, list[RunEvent]]
 
 
 # --- the operator console: dashboard and runs list (docs/operations.md, "Console and alerts") --
-
-
-@dataclass(frozen=True)
-class AttentionItem:
-    """One line of the dashboard's "needs me" list contributed by another app (the approvals
-    app registers approvals about to expire: ``runs`` never imports ``approvals``)."""
-
-    kind: str  # "approval_expiring", ...
-    title: str
-    url: str
-    run_id: Any
-    agent_name: str
-    due_at: datetime | None
-    # who may see it: the page it links to needs this permission ("" for anyone)
-    permission: str = ""
-
-
-# callables ``(limit) -> list[AttentionItem]``, each one query, soonest due first
-_attention_sources: list[Callable[[int], list[AttentionItem]]] = []
-
-
-def register_attention_source(source: Callable[[int], list[AttentionItem]]) -> None:
-    if source not in _attention_sources:
-        _attention_sources.append(source)
-
-
-def attention_from_sources(*, user: Any, limit: int = 20) -> list[AttentionItem]:
-    """What other apps say needs a person, soonest due first, only what ``user`` may open."""
-    items: list[AttentionItem] = []
-    for source in list(_attention_sources):
-        items.extend(
-            item for item in source(limit) if not item.permission or user.has_perm(item.permission)
-        )
-    far = datetime.max.replace(tzinfo=UTC)
-    return sorted(items, key=lambda item: item.due_at or far)[:limit]
-
-
-def runs_needing_attention(*, limit: int = 50) -> list[Run]:
-    """Runs parked for a person, the longest-waiting first, with the reason."""
-    return list(
-        Run.objects.filter(status=Run.Status.NEEDS_ATTENTION)
-        .only("id", "agent_name", "goal", "status", "reason_code", "reason_detail", "updated_at")
-        .order_by("updated_at")[:limit]
-    )
-
-
-def unknown_toolcalls(*, limit: int = 50) -> list[ToolCall]:
-    """Tool calls whose outcome nobody knows yet, oldest first (one query)."""
-    return list(
-        ToolCall.objects.filter(status=ToolCall.Status.UNKNOWN)
-        .select_related("run", "step")
-        .only(
-            "id",
-            "tool_name",
-            "effect",
-            "idempotency_key",
-            "attempt_count",
-            "reconcile_attempts",
-            "updated_at",
-            "run__id",
-            "run__agent_name",
-            "run__status",
-            "step__seq",
-        )
-        .order_by("updated_at")[:limit]
-    )
 
 
 @dataclass(frozen=True)
@@ -401,17 +420,7 @@ def event_search(
     run id prefix, by time; a page of ``size`` before the event id ``before``. Returns the
     page and the cursor of the next one (None on the last). Payloads are not loaded: the
     page names what happened and links to the run, whose page shows it (masked)."""
-    events = RunEvent.objects.select_related("run").only(
-        "id",
-        "seq",
-        "type",
-        "actor",
-        "channel",
-        "created_at",
-        "run__id",
-        "run__agent_name",
-        "run__goal",
-    )
+    events = _events_with_run_names()
     type = type.strip()
     if type.endswith("."):
         events = events.filter(type__startswith=type)
@@ -438,11 +447,22 @@ def event_search(
 
 
 def recent_events(*, limit: int = 20) -> list[RunEvent]:
-    """The latest events across all runs (the ``-created_at`` index), with the run's agent."""
-    return list(
-        RunEvent.objects.select_related("run")
-        .only("id", "seq", "type", "actor", "channel", "created_at", "run__id", "run__agent_name")
-        .order_by("-created_at", "-id")[:limit]
+    """The latest events across all runs (the ``-created_at`` index), with the run's name."""
+    return list(_events_with_run_names().order_by("-created_at", "-id")[:limit])
+
+
+def _events_with_run_names() -> QuerySet[RunEvent]:
+    """Events without payloads, with what names their run to people (agent, goal, id)."""
+    return RunEvent.objects.select_related("run").only(
+        "id",
+        "seq",
+        "type",
+        "actor",
+        "channel",
+        "created_at",
+        "run__id",
+        "run__agent_name",
+        "run__goal",
     )
 
 
@@ -674,11 +694,14 @@ def recent_alerts(*, limit: int = 10) -> list[Alert]:
     its cause went away (runs.alerts)."""
     return list(
         Alert.objects.filter(created_at__gte=Now() - timedelta(days=1))
+        .select_related("run")
         .only(
             "id",
             "cause",
             "kind",
-            "run_id",
+            "run__id",
+            "run__agent_name",
+            "run__goal",
             "worker_name",
             "detail",
             "created_at",

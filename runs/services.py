@@ -26,6 +26,7 @@ from runs.record.runs import run_pause as record_pause
 from runs.record.runs import run_queue
 from runs.record.runs import run_terminate as record_terminate
 from runs.registry import Effect, UnknownAgent, UnknownTool, registry
+from runs.selectors import toolcall_absence_proven
 
 
 class InvalidState(Exception):
@@ -40,6 +41,13 @@ class UnsafeDispatchUnconfirmed(InvalidState):
     """Dispatching an ``unsafe`` tool again may repeat its effect: the operator must say so."""
 
     code = "unsafe_dispatch_unconfirmed"
+
+
+class AttestationRequired(InvalidInput):
+    """Marking an unknown outcome failed, or sending an unlookupable call again, without a
+    lookup that proves absence: the person must attest why, in words that are recorded."""
+
+    code = "attestation_required"
 
 
 class BudgetExhausted(InvalidState):
@@ -193,6 +201,9 @@ class Resolution:
     ALL = (HAPPENED, NOT_HAPPENED, DISPATCH_AGAIN, RECONCILE)
 
 
+ATTESTATION_MAX = 2000
+
+
 def toolcall_resolve(
     *,
     tool_call_id: Any,
@@ -201,13 +212,19 @@ def toolcall_resolve(
     external_ref: str = "",
     result: Any = None,
     confirm_risk: bool = False,
+    attestation: str = "",
 ) -> ToolCall:
     """An operator's answer to a call whose outcome is unknown, on a run that waits for a
     person. ``happened``: a receipt (source ``operator``) and the step completes;
     ``not_happened``: the step fails and the agent decides what next; ``dispatch_again``: the
     call is sent again with the same idempotency key (an ``unsafe`` tool only with
     ``confirm_risk``); ``reconcile``: the engine looks the key up again from scratch. The
-    run is queued again either way."""
+    run is queued again either way.
+
+    ``not_happened`` is allowed as a matter of record only where a lookup that started
+    after the landing deadline answered absent (``toolcall_absence_proven``); otherwise the
+    person gives an ``attestation`` — why they know it did not happen — recorded in
+    ``tool.resolved``. The same rule for every channel, one call or many."""
     actor.require("runs.resolve_toolcall")
     if outcome not in Resolution.ALL:
         raise InvalidInput(f"outcome must be one of {', '.join(Resolution.ALL)}")
@@ -233,6 +250,17 @@ def toolcall_resolve(
         ):
             raise InvalidState(f"tool {call.tool_name} has no lookup by key to reconcile with")
         unsafe = call.effect == Effect.UNSAFE
+        attestation = " ".join(attestation.split())
+        if len(attestation) > ATTESTATION_MAX:
+            raise InvalidInput(f"the attestation must be at most {ATTESTATION_MAX} characters")
+        proven = toolcall_absence_proven(call=call)
+        if outcome == Resolution.NOT_HAPPENED and not proven and not attestation:
+            raise AttestationRequired(
+                f"no lookup that started after the landing deadline found call "
+                f"#{call.step.seq} ({call.tool_name}) absent: attest why you know it did not "
+                "happen (a call marked failed that had succeeded lets the agent act again "
+                "under a new key)"
+            )
         if outcome == Resolution.DISPATCH_AGAIN and unsafe and not confirm_risk:
             raise UnsafeDispatchUnconfirmed(
                 f"{call.tool_name} is unsafe: sending it again may repeat its effect; "
@@ -247,6 +275,8 @@ def toolcall_resolve(
             by=actor.label,
             external_ref=external_ref,
             confirmed_risk=bool(confirm_risk and unsafe and outcome == Resolution.DISPATCH_AGAIN),
+            absence_proven=proven,
+            attestation=attestation,
         )
         if outcome in (Resolution.HAPPENED, Resolution.NOT_HAPPENED):
             _settle_by_operator(

@@ -8,6 +8,7 @@ app_name = "runs"
 urlpatterns = [
     # the operator console (runs.views.console)
     path("", console.dashboard, name="dashboard"),
+    path("needs-you/badge/", console.needs_you_badge, name="needs_you_badge"),
     path("runs/", console.run_list, name="list"),
     path("runs/start/", console.run_start, name="start"),
     path("runs/bulk/", console.run_bulk, name="bulk"),
@@ -29,6 +30,7 @@ urlpatterns = [
     path("runs/<uuid:run_id>/fork/", detail.run_fork_view, name="fork"),
     # the unknown-outcomes inbox (runs.views.outcomes)
     path("unknown/", outcomes.unknown_inbox, name="unknown"),
+    path("unknown/triage/", outcomes.unknown_triage, name="unknown_triage"),
     path("tool-calls/<int:call_id>/resolve/", outcomes.toolcall_resolve_view, name="resolve"),
     # emailed single-use link: GET shows the question, POST answers (runs.views.links)
     path("questions/link/<str:token>/", question_link.question_link, name="question_link"),

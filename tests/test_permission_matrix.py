@@ -346,7 +346,11 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
     "console resolve unknown outcome": (
         simple(
             unknown_call,
-            lambda w, rc: web_post(w, f"/tool-calls/{rc[1]}/resolve/", {"outcome": "not_happened"}),
+            lambda w, rc: web_post(
+                w,
+                f"/tool-calls/{rc[1]}/resolve/",
+                {"outcome": "not_happened", "attestation": "checked"},
+            ),
         ),
         OPERATE,
     ),
@@ -356,6 +360,28 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
             lambda w, ra: web_post(w, f"/approvals/{ra[1].id}/decide/", {"action": "approve"}),
         ),
         {"approver", "superuser"},
+    ),
+    "console decide approvals from the inbox": (
+        simple(
+            pending_approval,
+            lambda w, ra: web_post(
+                w,
+                "/approvals/bulk/",
+                {"decision": "approve", "approval": ra[1].id, "confirm": "on"},
+            ),
+        ),
+        {"approver", "superuser"},
+    ),
+    "console triage unknown outcomes": (
+        simple(
+            unknown_call,
+            lambda w, rc: web_post(
+                w,
+                "/unknown/triage/",
+                {"outcome": "not_happened", "call": rc[1], "attestation": "checked"},
+            ),
+        ),
+        OPERATE,
     ),
     "console answer question": (
         simple(asked, lambda w, rq: web_post(w, f"/questions/{rq[1].id}/", {"answer": "yes"})),

@@ -174,6 +174,7 @@ REFUND_PAYMENT = Tool(
     },
     sensitive_fields=("customer_email",),
     summary=_refund_summary,
+    money_arguments={"amount_cents": CURRENCY},
     approval=ApprovalPolicy(when=_large_refund, group="approver", ttl_seconds=24 * 3600),
     timeout=settings.AGENTOPS["SANDBOX_TIMEOUT"],
     # the sandbox deduplicates refunds by key with --dedupe, refuses late ones with --deadline

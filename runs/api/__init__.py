@@ -459,6 +459,14 @@ class ResolutionInputSerializer(serializers.Serializer):
         default=False,
         help_text="Required to dispatch an unsafe tool again (it may repeat its effect).",
     )
+    attestation = serializers.CharField(
+        max_length=2000,
+        required=False,
+        allow_blank=True,
+        default="",
+        help_text="For not_happened when no lookup that started after the landing deadline "
+        "found the call absent: why you know it did not happen (recorded).",
+    )
 
     def validate_result(self, value):
         _reject_null_characters(value)

@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Any
 
 from django import template
+from django.urls import reverse
 from django.utils import timezone
 from django.utils.formats import date_format
 from django.utils.html import format_html
@@ -14,7 +15,7 @@ from django.utils.safestring import SafeString
 from django.utils.timesince import timesince, timeuntil
 
 from runs.masking import Masker
-from runs.registry import call_summary
+from runs.registry import argument_rows, call_summary
 
 register = template.Library()
 
@@ -86,3 +87,45 @@ def masked_result(call: Any, masker: Masker) -> Any:
     if not isinstance(masker, Masker):
         raise TypeError("masked_result: the context has no masker for this run")
     return masker.output(call.tool_name, call.receipt.result)
+
+
+RUN_GOAL_SHOWN = 60  # characters of the goal in a run's name
+
+
+def run_label(agent_name: str, goal: str, run_id: object) -> str:
+    """How a run is named to people: agent, goal (its start) and short id — "refund · Refund
+    order ord_1004 · 3fa2b1c4" — never a bare hex id."""
+    goal = " ".join(str(goal or "").split())
+    if len(goal) > RUN_GOAL_SHOWN:
+        goal = goal[: RUN_GOAL_SHOWN - 1] + "…"
+    return " · ".join(part for part in (agent_name, goal, shortid(run_id)) if part)
+
+
+@register.filter(name="run_name")
+def run_name(run: Any) -> str:
+    """A ``Run``'s name for people (``run_label``); the query must have loaded its agent
+    name and goal."""
+    return run_label(run.agent_name, run.goal, run.id)
+
+
+@register.simple_tag(name="run_link")
+def run_link(run: Any = None, *, run_id: Any = None, agent: str = "", goal: str = "") -> str:
+    """A link to a run's page named by ``run_label``: ``{% run_link run %}``, or from the
+    parts ``{% run_link run_id=item.run_id agent=item.run_agent goal=item.run_goal %}``."""
+    if run is not None:
+        run_id, agent, goal = run.id, run.agent_name, run.goal
+    return format_html(
+        '<a class="run-link" href="{}" title="run {}">{}</a>',
+        reverse("runs:detail", args=[run_id]),
+        run_id,
+        run_label(agent, goal, run_id),
+    )
+
+
+@register.filter(name="argument_rows")
+def argument_rows_filter(value: Any, shown_arguments: Any = None) -> list[tuple[str, str]]:
+    """A call's (``ToolCall``, ``Approval``) arguments as rows of a table, money with its
+    currency (``runs.registry.argument_rows``), from ``shown_arguments`` — the arguments as
+    this viewer may see them — or its masked arguments."""
+    arguments = value.arguments_masked if shown_arguments is None else shown_arguments
+    return argument_rows(value.tool_name, arguments)

@@ -28,8 +28,8 @@ from runs import jsonlimits, selectors, services
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
 from runs.forms import UnclippedCharField
-from runs.masking import maskers_for
 from runs.models import Run
+from runs.needs_you import needs_you
 from runs.record.checkpoint import RunNotFound
 from runs.registry import UnknownAgent, registry
 from runs.timeline import EVENT_TYPES
@@ -58,23 +58,23 @@ def dashboard(request: HtmxHttpRequest) -> HttpResponse:
     context = {
         "status_counts": _status_counts(counts),
         "total": sum(counts.values()),
-        "needs_attention": selectors.runs_needing_attention(limit=50),
-        "unknown_calls": selectors.unknown_toolcalls(limit=50),
-        "expiring": selectors.attention_from_sources(user=request.user, limit=20),
+        "needs_you": needs_you(user=request.user),
         "health": selectors.worker_health(),
         "events": selectors.recent_events(limit=20),
         "alerts": selectors.recent_alerts(limit=10),
         "undelivered": selectors.undelivered_messages(limit=10),
     }
-    context["needs_count"] = sum(
-        len(context[k]) for k in ("needs_attention", "unknown_calls", "expiring")
-    )
-    # a reason may quote a value the agent read (runs.masking): shown masked
-    masks = maskers_for(context["needs_attention"], user=request.user)
-    for run in context["needs_attention"]:
-        run.reason_shown = masks[run.id](run.reason_detail)
     template = "runs/dashboard.html#dashboard-live" if request.htmx else "runs/dashboard.html"
     return render(request, template, context)
+
+
+@login_required
+def needs_you_badge(request: HtmxHttpRequest) -> HttpResponse:
+    """The navigation's "Needs you" link with its count, loaded by htmx after the page (and
+    refreshed with it): no page pays the queries before it is shown."""
+    return render(
+        request, "runs/_needs_you_badge.html", {"needs_you": needs_you(user=request.user)}
+    )
 
 
 # --- runs list -------------------------------------------------------------------------------

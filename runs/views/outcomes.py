@@ -16,7 +16,7 @@ from django.contrib.auth.decorators import login_required
 from django.db import transaction
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
-from django.views.decorators.http import require_GET, require_POST
+from django.views.decorators.http import require_GET, require_http_methods, require_POST
 from django_htmx.middleware import HtmxDetails
 
 from runs import jsonlimits, selectors, services, timeline
@@ -49,6 +49,9 @@ class ResolveForm(forms.Form):
     external_ref = UnclippedCharField(required=False, max_length=200)
     result = UnclippedCharField(required=False, max_length=RESULT_MAX_CHARS, widget=forms.Textarea)
     confirm_risk = forms.BooleanField(required=False)
+    attestation = UnclippedCharField(
+        required=False, max_length=services.ATTESTATION_MAX, widget=forms.Textarea
+    )
 
     def __init__(self, *args: Any, call: ToolCall, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -118,6 +121,7 @@ def _row(
     tools: _Tools,
     mask: Masker,
     *,
+    latest_lookup: dict | None,
     form: ResolveForm | None = None,
     error: str = "",
 ) -> dict[str, Any]:
@@ -129,6 +133,7 @@ def _row(
         "call": call,
         "run": call.run,
         "history": history,
+        "shown_arguments": mask(call.arguments_masked),
         "arguments_json": jsonlimits.pretty(mask(call.arguments_masked)),
         "last_error": mask(call.last_error),
         "unsafe": call.effect == Effect.UNSAFE,
@@ -141,6 +146,9 @@ def _row(
         # an unsafe tool has no trustworthy lookup: a person decides
         and call.effect != Effect.UNSAFE,
         "may_redispatch": waiting and current,
+        "latest_lookup": latest_lookup,
+        # marking it failed needs this proof, or the person's attestation (toolcall_resolve)
+        "absence_proven": selectors.toolcall_absence_proven(call=call, latest_lookup=latest_lookup),
         "form": form,
         "outcome": form.data.get("outcome", "") if form is not None else "",
         "error": error,
@@ -162,7 +170,17 @@ def unknown_inbox(request: HtmxHttpRequest) -> HttpResponse:
     masks = maskers_for({c.run_id: c.run for c in calls}.values(), user=request.user)
     history = _history(events, masks)
     tools = _Tools()
-    rows = [_row(c, history.get((c.run_id, c.step.seq), []), tools, masks[c.run_id]) for c in calls]
+    lookups = selectors.toolcall_latest_lookups(events)
+    rows = [
+        _row(
+            c,
+            history.get((c.run_id, c.step.seq), []),
+            tools,
+            masks[c.run_id],
+            latest_lookup=lookups.get((c.run_id, c.step.seq)),
+        )
+        for c in calls
+    ]
     context = {
         "waiting": [r for r in rows if r["waiting"]],
         "automatic": [r for r in rows if not r["waiting"] and not r["ended"]],
@@ -208,11 +226,15 @@ def toolcall_resolve_view(request: HtmxHttpRequest, call_id: int) -> HttpRespons
                 external_ref=data["external_ref"].strip(),
                 result=data["result"],
                 confirm_risk=data["confirm_risk"],
+                attestation=data["attestation"],
             )
     except ActorPermissionDenied:
         return _refused(request, "resolve unknown tool outcomes", RESOLVE)
     except services.UnsafeDispatchUnconfirmed as exc:
         form.add_error("confirm_risk", str(exc))
+        return _row_response(request, call, events, form=form, status=400)
+    except services.AttestationRequired as exc:
+        form.add_error("attestation", str(exc))
         return _row_response(request, call, events, form=form, status=400)
     except services.InvalidInput as exc:
         return _row_response(request, call, events, form=form, error=str(exc), status=400)
@@ -247,7 +269,10 @@ def _row_response(
     the card (base.html tells htmx to swap 4xx answers in); a plain POST a page of its own."""
     masks = maskers_for([call.run], user=request.user)
     history = _history(events, masks).get((call.run_id, call.step.seq), [])
-    row = _row(call, history, _Tools(), masks[call.run_id], form=form, error=error)
+    lookup = selectors.toolcall_latest_lookups(events).get((call.run_id, call.step.seq))
+    row = _row(
+        call, history, _Tools(), masks[call.run_id], latest_lookup=lookup, form=form, error=error
+    )
     may_resolve = request.user.has_perm(RESOLVE)
     template = "runs/unknown.html#outcome-row" if request.htmx else "runs/unknown_resolve.html"
     return render(
@@ -256,3 +281,130 @@ def _row_response(
         {"row": row, "may_resolve": may_resolve},
         status=status,
     )
+
+
+# --- triage: many unknown outcomes at once, by tool and time window (issue 21 item 4) ------
+
+TRIAGE_OUTCOMES = [
+    (Resolution.RECONCILE, "Reconcile again"),
+    (Resolution.NOT_HAPPENED, "Mark as not happened"),
+    (Resolution.DISPATCH_AGAIN, "Dispatch again with the same key"),
+]
+
+
+class TriageFilter(forms.Form):
+    """The page's query string; invalid values are dropped (a stale link lists everything)."""
+
+    tool = forms.CharField(max_length=100, required=False, strip=True)
+    since = forms.DateTimeField(required=False)
+    until = forms.DateTimeField(required=False)
+
+    def values(self) -> dict[str, Any]:
+        self.is_valid()
+        cleaned = getattr(self, "cleaned_data", {})
+        return {name: cleaned.get(name) or None for name in self.fields}
+
+
+class TriageForm(forms.Form):
+    outcome = forms.ChoiceField(choices=TRIAGE_OUTCOMES)
+    call = forms.TypedMultipleChoiceField(coerce=int, choices=[])
+    attestation = UnclippedCharField(
+        required=False, max_length=services.ATTESTATION_MAX, widget=forms.Textarea
+    )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        ids = self.data.getlist("call") if hasattr(self.data, "getlist") else []
+        self.fields["call"].choices = [(i, i) for i in ids[: selectors.UNKNOWN_SHOWN]]
+
+
+def _triage_rows(calls: list[ToolCall], events: list[RunEvent], user: Any) -> list[dict[str, Any]]:
+    masks = maskers_for({c.run_id: c.run for c in calls}.values(), user=user)
+    lookups = selectors.toolcall_latest_lookups(events)
+    rows = []
+    for call in calls:
+        lookup = lookups.get((call.run_id, call.step.seq))
+        shown = masks[call.run_id](call.arguments_masked)
+        rows.append(
+            {
+                "call": call,
+                "shown_arguments": shown,
+                "latest_lookup": lookup,
+                "absence_proven": selectors.toolcall_absence_proven(
+                    call=call, latest_lookup=lookup
+                ),
+            }
+        )
+    return rows
+
+
+@login_required
+@require_http_methods(["GET", "HEAD", "POST"])
+def unknown_triage(request: HtmxHttpRequest) -> HttpResponse:
+    """The unknown outcomes waiting for a person, by tool and time window, each with its
+    latest lookup; one resolution for the selected ones, each through ``toolcall_resolve``
+    on its own (one refusal stops none of the others). Marking failed — and sending an
+    unsafe call again — is allowed where a lookup that started after the landing deadline
+    answered absent; for every other call the attestation given here is recorded, and
+    without one the service refuses that call."""
+    if not _may_view(request.user):
+        return _refused(request, "see unknown tool outcomes", "runs.view_toolcall")
+    values = TriageFilter(request.GET).values()
+    results: dict[int, tuple[bool, str]] = {}
+    form = None
+    if request.method == "POST":
+        if not request.user.has_perm(RESOLVE):
+            return _refused(request, "resolve unknown tool outcomes", RESOLVE)
+        form = TriageForm(request.POST)
+        if form.is_valid():
+            results = _triage_resolve(request, form.cleaned_data)
+    calls, events = selectors.unknown_for_triage(
+        tool=values["tool"] or "", since=values["since"], until=values["until"]
+    )
+    done = [i for i in results if i not in {c.id for c in calls}]
+    if done:  # resolved calls leave the list: show them with their result too
+        gone = list(ToolCall.objects.select_related("step", "run").filter(id__in=done))
+        calls = [*calls, *gone]
+    context = {
+        "rows": _triage_rows(calls, events, request.user),
+        "results": results,
+        "form": form,
+        "filters": {k: request.GET.get(k, "") for k in ("tool", "since", "until")},
+        "tools": [tool.name for tool in registry.tools() if tool.effect != Effect.READ],
+        "outcomes": TRIAGE_OUTCOMES,
+        "may_resolve": request.user.has_perm(RESOLVE),
+    }
+    status = 400 if form is not None and not form.is_valid() else 200
+    response = render(request, "runs/unknown_triage.html", context, status=status)
+    if results:
+        response["HX-Trigger"] = "outcomes-changed, runs-changed"
+    return response
+
+
+def _triage_resolve(request: HtmxHttpRequest, data: dict[str, Any]) -> dict[int, tuple[bool, str]]:
+    actor = Actor.for_user(request.user, "web")
+    attestation = data["attestation"].strip()
+    results: dict[int, tuple[bool, str]] = {}
+    for call_id in dict.fromkeys(data["call"]):
+        if call_id > BIGINT_MAX:
+            results[call_id] = (False, "no such tool call")
+            continue
+        try:
+            with transaction.atomic():
+                services.toolcall_resolve(
+                    tool_call_id=call_id,
+                    outcome=data["outcome"],
+                    actor=actor,
+                    # an unsafe call is sent again only on the person's recorded word
+                    confirm_risk=bool(attestation),
+                    attestation=attestation,
+                )
+        except ToolCall.DoesNotExist:
+            results[call_id] = (False, "no such tool call")
+        except ActorPermissionDenied as exc:
+            results[call_id] = (False, str(exc))
+        except (services.InvalidInput, services.InvalidState) as exc:
+            results[call_id] = (False, str(exc))
+        else:
+            results[call_id] = (True, dict(TRIAGE_OUTCOMES)[data["outcome"]].lower())
+    return results

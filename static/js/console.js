@@ -4,7 +4,8 @@
   "use strict";
 
   function rowBoxes(form) {
-    return document.querySelectorAll('input[type="checkbox"][name="run"][form="' + form.id + '"]');
+    // the runs list's boxes (name "run") and the approvals inbox's (name "approval")
+    return document.querySelectorAll('input[type="checkbox"][form="' + form.id + '"]:not([data-select-all])');
   }
 
   function checkedCount(form) {
@@ -35,7 +36,7 @@
     updateSelection(form);
   });
 
-  // The runs table refreshes itself every few seconds; while the operator has rows
+  // The runs table and the approvals inbox refresh themselves every few seconds; while the operator has rows
   // selected, the timed refresh waits (it would clear the selection). A refresh that an
   // action asked for (HX-Trigger) still happens.
   document.addEventListener("htmx:beforeRequest", function (evt) {

@@ -101,7 +101,7 @@ def test_create_unknown_agent(as_operator):
     body = assert_error(
         as_operator.post("/api/v1/runs/", {**PAY, "agent": "nope"}), 400, "unknown_agent"
     )
-    assert "nope" in body["detail"]
+    assert body["detail"] == "unknown agent 'nope'"  # quotes balanced (issue 21)
 
 
 @pytest.mark.parametrize(

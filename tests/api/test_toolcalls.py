@@ -94,7 +94,7 @@ def test_dispatching_an_unsafe_call_again_needs_confirmation(as_operator, attent
 def test_resolve_in_the_wrong_state(as_operator, attention_run, waiting_run):
     call = ToolCall.objects.get(run=attention_run)
     assert_error(as_operator.post(_url(call), {"outcome": "reconcile"}), 409, "invalid_state")
-    as_operator.post(_url(call), {"outcome": "not_happened"})
+    as_operator.post(_url(call), {"outcome": "not_happened", "attestation": "checked"})
     assert_error(as_operator.post(_url(call), {"outcome": "happened"}), 409, "invalid_state")
     other = ToolCall.objects.get(run=waiting_run)
     assert_error(as_operator.post(_url(other), {"outcome": "happened"}), 409, "invalid_state")

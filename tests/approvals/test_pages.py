@@ -96,7 +96,8 @@ def test_inbox_queries_do_not_grow_with_the_rows(
         start_refund(system_actor, input={"order_id": order, "amount_cents": 20_000})
     client.force_login(approver)
 
-    with django_assert_max_num_queries(12):
+    # at most four of them tell which rows the approver may decide (approvals.selectors.decidable)
+    with django_assert_max_num_queries(16):
         page = client.get(reverse("approvals:inbox"))
 
     assert page.content.decode().count("approvals/") >= 3
@@ -292,3 +293,90 @@ def test_a_second_decision_on_the_page_is_a_clear_conflict(
     assert b"already approved" in response.content
     waiting.refresh_from_db()
     assert waiting.status == Approval.Status.APPROVED
+
+
+# --- readable calls, links to the run, why one cannot decide (issue 21 items 1, 2, 6) -------
+
+
+def _arg_row(name: str, text: str) -> str:
+    return f'<tr><th scope="row">{name}</th><td>{text}</td></tr>'
+
+
+@pytest.mark.django_db
+def test_inbox_and_page_show_arguments_as_a_table_with_money_and_link_to_the_run(
+    client, waiting, approver
+):
+    client.force_login(approver)
+    run = waiting.run
+    run_link = f'<a class="run-link" href="/runs/{run.id}/" title="run {run.id}">refund · {str(run.id)[:8]}</a>'
+    if run.goal:
+        run_link = run_link.replace("refund · ", f"refund · {run.goal} · ")
+    for url in (reverse("approvals:inbox"), _detail(waiting)):
+        html = client.get(url).content.decode()
+        assert _arg_row("amount_cents", "500.00 EUR") in html
+        assert _arg_row("order_id", "ord_1004") in html
+        assert _arg_row("customer_email", "***") in html  # masked stays masked
+        assert CUSTOMER_EMAIL not in html
+        assert "{&#x27;" not in html and "&#x27;amount_cents&#x27;:" not in html  # no dicts
+        assert run_link in html
+    # the run's context: the earlier lookup step as a summary and a table, not a dict
+    html = client.get(_detail(waiting)).content.decode()
+    steps = html[html.index('<ol class="steps">') : html.index("</ol>")]
+    assert _arg_row("order_id", "ord_1004") in steps
+    assert "{&#x27;tool&#x27;" not in steps
+
+
+@pytest.mark.django_db
+def test_the_run_page_shows_each_call_as_its_summary_and_a_table(client, waiting, operator):
+    client.force_login(operator)
+    html = client.get(reverse("runs:detail", args=[waiting.run_id])).content.decode()
+    assert "Refund 500.00 EUR to order ord_1004 (customer ***)" in html
+    assert _arg_row("amount_cents", "500.00 EUR") in html
+
+
+@pytest.mark.django_db
+def test_cannot_decide_says_which_rule_applies(client, waiting, approver, django_user_model):
+    from django.contrib.auth.models import Group
+
+    from approvals.services import approval_decide
+    from runs.actors import Actor
+
+    # the run's principal
+    Approval.objects.filter(id=waiting.id).update(required_count=2)
+    waiting.run.__class__.objects.filter(id=waiting.run_id).update(principal=approver)
+    client.force_login(approver)
+    html = client.get(_detail(waiting)).content.decode()
+    assert "You are the run&#x27;s principal (alice)" in html
+    assert "another member of approver must decide it" in html
+
+    # someone outside the group
+    outsider = django_user_model.objects.create_user(username="oscar", password="pw")
+    outsider.groups.add(Group.objects.get(name="viewer"))
+    outsider.groups.add(Group.objects.get(name="approver"))
+    waiting.run.__class__.objects.filter(id=waiting.run_id).update(principal=None)
+    Approval.objects.filter(id=waiting.id).update(approver_group="finance")
+    client.force_login(outsider)
+    html = client.get(_detail(waiting)).content.decode()
+    assert "It is addressed to group finance, and you are not in it." in html
+
+    # already decided (one of two approvals)
+    Approval.objects.filter(id=waiting.id).update(approver_group="approver")
+    approval_decide(
+        approval_id=waiting.id, decision="approve", actor=Actor.for_user(outsider, "web")
+    )
+    html = client.get(_detail(waiting)).content.decode()
+    assert "You already approved it; someone else in approver must decide too." in html
+    assert "<strong>oscar</strong> approved via web" in html
+
+
+@pytest.mark.django_db
+def test_an_approval_past_its_expiry_says_so_and_offers_no_form(client, waiting, approver):
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    Approval.objects.filter(id=waiting.id).update(expires_at=timezone.now() - timedelta(seconds=1))
+    client.force_login(approver)
+    html = client.get(_detail(waiting)).content.decode()
+    assert "It has expired" in html
+    assert 'name="action" value="approve"' not in html

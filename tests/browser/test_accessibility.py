@@ -56,6 +56,7 @@ def test_no_page_has_a_serious_or_critical_axe_violation(
             "run-detail-waiting": reverse("runs:detail", args=[run.id]),
             "events": reverse("runs:event_list"),
             "unknown": reverse("runs:unknown"),
+            "unknown-triage": reverse("runs:unknown_triage"),
             "approvals": reverse("approvals:inbox"),
             "approval-detail": reverse("approvals:detail", args=[approval.id]),
             "questions": reverse("runs:questions"),
@@ -87,3 +88,16 @@ def test_actions_in_disclosures_are_reachable_by_role(page, console_user, sandbo
     expect(page.get_by_label("Add steps")).to_be_visible()
     page.get_by_role("button", name="Terminate", exact=True).click()
     expect(page.get_by_role("button", name="Terminate run")).to_be_visible()
+
+
+def test_the_approval_pages_disclosures_are_reachable_by_role(page, console_user, sandbox):
+    from playwright.sync_api import expect
+
+    approval = Approval.objects.get(run=drive(_refund_needing_approval().id))
+    sign_in(page, "oscar")
+    page.goto(reverse("approvals:detail", args=[approval.id]))
+
+    page.get_by_role("button", name="Approve with edited arguments").click()
+    expect(page.get_by_role("button", name="Approve with these arguments")).to_be_visible()
+    page.get_by_role("button", name="Comment without deciding").click()
+    expect(page.get_by_role("button", name="Comment", exact=True)).to_be_visible()

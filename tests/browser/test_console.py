@@ -171,12 +171,14 @@ def test_the_approvals_inbox_lists_what_waits_for_a_decision(page, console_user,
     expect(page.get_by_role("heading", name=re.compile("refund_payment"))).to_be_visible()
 
 
-def test_resolving_an_unknown_outcome_from_the_inbox(page, console_user, sandbox, monkeypatch):
-    expect = _expect()
+def followup_with_a_lost_notification(
+    monkeypatch, sandbox, principal
+) -> tuple[Run, ToolCall, dict]:
+    """A follow-up run whose notification the sandbox recorded but whose response was lost:
+    an unsafe tool's unknown outcome, which always goes to a person. Returns the run (in
+    ``needs_attention``), the call, and the notification as the sandbox recorded it."""
 
     def send_and_lose_response(arguments, ctx):
-        # the sandbox records the notification, then drops the connection: an unsafe
-        # tool's unknown outcome, which always goes to a person
         response = demo_tools._request(
             "POST",
             "/notifications",
@@ -191,17 +193,25 @@ def test_resolving_an_unknown_outcome_from_the_inbox(page, console_user, sandbox
         agent_name="followup",
         goal="Tell the customer of order 1002 about the refund",
         input={"order_id": "ord_1002", "message": "Your refund is on its way."},
-        actor=Actor.for_user(console_user, "cli"),
+        actor=Actor.for_user(principal, "cli"),
     )
     run = drive(run.id)
     assert (run.status, run.reason_code) == (Run.Status.NEEDS_ATTENTION, "unknown_outcome")
     call = ToolCall.objects.get(run=run, tool_name="send_notification")
     (sent,) = notifications(sandbox)
+    return run, call, sent
+
+
+def test_resolving_an_unknown_outcome_from_the_inbox(page, console_user, sandbox, monkeypatch):
+    expect = _expect()
+    run, call, sent = followup_with_a_lost_notification(monkeypatch, sandbox, console_user)
 
     sign_in(page, "oscar")
     page.goto(reverse("runs:dashboard"))
     # "what needs me now?": the call is on the dashboard, one click from its resolution
-    page.get_by_role("link", name=f"send_notification call #{call.step.seq}").click()
+    page.get_by_role(
+        "link", name=f"Resolve the unknown outcome of send_notification (call #{call.step.seq})"
+    ).click()
     expect(page).to_have_url(re.compile(reverse("runs:unknown")))
     row = page.locator(f"#call-{call.id}")
     expect(row).to_contain_text("send_notification")
@@ -214,7 +224,7 @@ def test_resolving_an_unknown_outcome_from_the_inbox(page, console_user, sandbox
         json.dumps({"notification_id": sent["notification_id"]})
     )
     row.get_by_role("button", name="Mark as happened").click()
-    expect(row).to_contain_text("succeeded")
+    expect(row).to_contain_text(re.compile(r"is now\s+succeeded"))
     shot(page, "unknown-outcome-resolved")
 
     call.refresh_from_db()

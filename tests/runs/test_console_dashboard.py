@@ -15,6 +15,7 @@ from django.utils import timezone
 from approvals.models import Approval
 from runs.models import Alert, Run, Step, ToolCall, Worker
 from runs.services import run_create
+from tests.conftest import _user_in
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("roles")]
 
@@ -137,9 +138,15 @@ def test_counts_by_status_link_to_the_filtered_list(client, viewer, system_actor
     assert "3 runs in all" in html
 
 
-def test_needs_me_lists_parked_runs_unknown_calls_and_expiring_approvals(
-    client, operator, system_actor
+def _kinds(response) -> list[tuple[str, str]]:
+    return [(item.kind, item.key) for item in response.context["needs_you"].items]
+
+
+def test_needs_you_lists_one_entry_per_thing_a_person_must_do(
+    client, django_user_model, system_actor
 ):
+    # an operator who also approves and resolves calls (issue 21 item 3)
+    me = _user_in(django_user_model, "nina", "operator", "approver")
     parked = _run(
         system_actor,
         goal="stuck",
@@ -147,37 +154,70 @@ def test_needs_me_lists_parked_runs_unknown_calls_and_expiring_approvals(
         reason=Run.Reason.RECOVERY_LIMIT,
         detail="recovered 11 times",
     )
-    with_unknown = _run(system_actor, status=Run.Status.NEEDS_ATTENTION)
-    call = _unknown_call(with_unknown)
-    waiting = _run(system_actor, status=Run.Status.WAITING_APPROVAL)
-    later = _approval(waiting, expires_in=timedelta(minutes=50), tool="send_email")
+    # the engine gave up on this call: its run waits for a person — one thing, not two
+    given_up = _run(system_actor, status=Run.Status.NEEDS_ATTENTION, reason="unknown_outcome")
+    call = _unknown_call(given_up)
+    # the engine still reconciles this one by itself: nothing for a person to do
+    _unknown_call(_run(system_actor, status=Run.Status.RUNNING))
+    waiting = _run(system_actor, goal="Refund order ord_1001", status="waiting_approval")
+    later = _approval(waiting, expires_in=timedelta(days=3), tool="send_email")
     sooner = _approval(waiting, expires_in=timedelta(minutes=5), seq=3)
-    _approval(waiting, expires_in=timedelta(days=3), seq=4, tool="far_future")
-    client.force_login(operator)
+    # another group's approval, and one already past its expiry
+    _approval(waiting, expires_in=timedelta(hours=1), seq=4).__class__.objects.filter(
+        tool_call__step__seq=4
+    ).update(approver_group="finance")
+    _approval(waiting, expires_in=-timedelta(minutes=1), seq=5)
+    client.force_login(me)
 
     response = client.get(DASHBOARD)
-    html = response.content.decode()
 
-    assert [r.id for r in response.context["needs_attention"]] == [parked.id, with_unknown.id]
+    assert _kinds(response) == [
+        ("approval", f"approval:{sooner.id}"),
+        ("approval", f"approval:{later.id}"),
+        ("needs_attention", f"run:{parked.id}"),
+        ("unknown_outcome", f"toolcall:{call.id}"),
+    ] or _kinds(response) == [
+        ("approval", f"approval:{sooner.id}"),
+        ("approval", f"approval:{later.id}"),
+        ("unknown_outcome", f"toolcall:{call.id}"),
+        ("needs_attention", f"run:{parked.id}"),
+    ]
+    html = response.content.decode()
+    assert 'Needs you <span class="count">4</span>' in html
     assert '<code class="reason">recovery_limit</code>' in html
     assert "recovered 11 times" in html
-    assert [c.id for c in response.context["unknown_calls"]] == [call.id]
     assert f'href="/unknown/#call-{call.id}"' in html
-    # approvals about to expire, soonest first; one due in days is not "about to expire"
-    expiring = response.context["expiring"]
-    assert [item.url for item in expiring] == [
-        f"/approvals/{sooner.id}/",
-        f"/approvals/{later.id}/",
-    ]
-    assert "far_future" not in html
-    assert response.context["needs_count"] == 5
+    assert f'href="/approvals/{sooner.id}/"' in html
+    # each entry links to its run, named by agent, goal and short id
+    assert (
+        f'href="/runs/{waiting.id}/" title="run {waiting.id}">refund · Refund order ord_1001 · {str(waiting.id)[:8]}</a>'
+        in html
+    )
+
+    # the badge in the navigation counts the same list
+    badge = client.get("/needs-you/badge/").content.decode()
+    assert '<span class="nav-badge">4</span>' in badge
+
+
+def test_needs_you_leaves_out_approvals_i_may_not_decide(client, approver, system_actor):
+    # a run whose principal is the approver: nobody approves their own action
+    mine = _run(system_actor, status="waiting_approval")
+    Run.objects.filter(id=mine.id).update(principal=approver)
+    _approval(mine, expires_in=timedelta(minutes=30))
+    client.force_login(approver)
+    response = client.get(DASHBOARD)
+    assert _kinds(response) == []
+    assert "Nothing needs you right now." in response.content.decode()
+    # and an approver is not sent to runs they may not operate on
+    _run(system_actor, status=Run.Status.NEEDS_ATTENTION, reason="recovery_limit")
+    assert _kinds(client.get(DASHBOARD)) == []
 
 
 def test_nothing_needs_me_says_so(client, operator):
     _worker("w-1")
     client.force_login(operator)
     html = client.get(DASHBOARD).content.decode()
-    assert "Nothing needs a person right now." in html
+    assert "Nothing needs you right now." in html
     assert "No events yet." in html
     assert 'role="alert"' not in html  # a live worker: no red banner
 
@@ -262,12 +302,17 @@ def test_htmx_refresh_gets_only_the_live_part(client, viewer):
     client.force_login(viewer)
     html = client.get(DASHBOARD, headers={"HX-Request": "true"}).content.decode()
     assert html.lstrip().startswith('<div id="dashboard-live"')
+    # the navigation's "Needs you" badge comes along out of band: the same count as the list
+    assert 'id="needs-you-badge"' in html and 'hx-swap-oob="true">Needs you' in html
     assert "<html" not in html and "topbar" not in html
     assert 'hx-trigger="every 5s, runs-changed from:body"' in html
 
 
 @pytest.mark.parametrize("scale", [1, 6])
-def test_query_count_is_constant(client, operator, system_actor, django_assert_num_queries, scale):
+def test_query_count_is_constant(
+    client, django_user_model, system_actor, django_assert_num_queries, scale
+):
+    operator = _user_in(django_user_model, "nina", "operator", "approver")
     for i in range(scale):
         parked = _run(system_actor, status=Run.Status.NEEDS_ATTENTION, reason="unknown_outcome")
         Alert.objects.create(cause=f"c{i}", kind=Alert.Kind.RUN_NEEDS_ATTENTION, run=parked)
@@ -277,16 +322,17 @@ def test_query_count_is_constant(client, operator, system_actor, django_assert_n
         _worker(f"w-{i}")
     client.force_login(operator)
 
-    # session, user, permissions (user + group), counts, parked runs, unknown calls,
-    # expiring approvals, workers, recent events, recent alerts, undelivered emails and
-    # webhook deliveries, and the parked runs' receipts of tools that declare a sensitive
-    # output (runs.masking)
-    with django_assert_num_queries(14):
+    # session, user, permissions (user + group), counts; "Needs you": unknown calls given up
+    # on, parked runs, open questions, pending approvals, my groups, my decisions, my API
+    # tokens, the runs I drove (separation of duties), and twice the receipts of tools that
+    # declare a sensitive output (runs.masking: the calls' reasons, the approvals); workers,
+    # recent events, recent alerts, undelivered emails and webhook deliveries
+    with django_assert_num_queries(20):
         page = client.get(DASHBOARD)
-    with django_assert_num_queries(14):
+    with django_assert_num_queries(20):
         partial = client.get(DASHBOARD, headers={"HX-Request": "true"})
     assert page.status_code == partial.status_code == 200
-    assert len(page.context["needs_attention"]) == scale
+    assert page.context["needs_you"].count == 2 * scale  # each unknown call, each approval
 
 
 # --- layout: navigation, timezone -------------------------------------------------------------
@@ -374,17 +420,18 @@ def test_recent_alerts_say_whether_operators_were_emailed(client, viewer, system
     html = client.get(DASHBOARD).content.decode()
 
     section = html[html.index('id="alerts-heading"') :]
-    assert f"<code>{str(parked.id)[:8]}</code></a>\n              needs attention" in section
+    # the run named by agent, goal and short id (issue 21)
+    assert f"{str(parked.id)[:8]}</a>\n              needs attention" in section
     assert "<code>w-frozen</code>\n              worker looks frozen" in section
     assert section.count('<span class="result-ok">emailed</span>') == 2
 
 
-def test_expiring_approvals_are_shown_only_to_who_may_open_them(client, viewer, system_actor):
+def test_approvals_are_shown_only_to_who_may_decide_them(client, viewer, system_actor):
     waiting = _run(system_actor, status=Run.Status.WAITING_APPROVAL)
     _approval(waiting, expires_in=timedelta(minutes=5))
-    client.force_login(viewer)  # viewers do not see approvals
+    client.force_login(viewer)  # viewers do not decide approvals
     response = client.get(DASHBOARD)
-    assert response.context["expiring"] == []
+    assert response.context["needs_you"].items == []
     assert "/approvals/" not in response.content.decode()
 
 

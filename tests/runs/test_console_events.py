@@ -20,7 +20,7 @@ EVENTS = "/events/"
 def _shown(client, query: str = "") -> list[tuple[str, str]]:
     html = client.get(EVENTS + query).content.decode()
     return re.findall(
-        r"<td><code>([a-z_.]+)</code> <span class=\"muted small\">#\d+</span></td>\s*<td><a href=\"/runs/([0-9a-f-]+)/\"",
+        r"<td><code>([a-z_.]+)</code> <span class=\"muted small\">#\d+</span></td>\s*<td><a class=\"run-link\" href=\"/runs/([0-9a-f-]+)/\"",
         html,
     )
 

@@ -232,7 +232,7 @@ def test_a_long_inbox_shows_the_oldest_and_says_how_many_wait(
 
 RESOLUTIONS = {
     "happened": {"outcome": "happened", "external_ref": "ntf_42"},
-    "not_happened": {"outcome": "not_happened"},
+    "not_happened": {"outcome": "not_happened", "attestation": "checked the provider's log"},
     "dispatch_again": {"outcome": "dispatch_again", "confirm_risk": "on"},
 }
 
@@ -311,7 +311,9 @@ def test_not_happened_fails_the_step_and_the_agent_goes_on(client, operator, uns
     call = _stuck_unsafe(system_actor)
     client.force_login(operator)
 
-    client.post(_resolve_url(call), {"outcome": "not_happened"})
+    client.post(
+        _resolve_url(call), {"outcome": "not_happened", "attestation": "checked the provider's log"}
+    )
 
     assert Step.objects.get(id=call.step_id).status == Step.Status.FAILED
     run = drive(call.run_id)
@@ -415,7 +417,9 @@ def test_bad_input_is_a_form_error_and_changes_nothing(
 def test_resolving_twice_is_a_conflict_not_a_500(client, operator, unsafe, system_actor):
     call = _stuck_unsafe(system_actor)
     client.force_login(operator)
-    client.post(_resolve_url(call), {"outcome": "not_happened"})
+    client.post(
+        _resolve_url(call), {"outcome": "not_happened", "attestation": "checked the provider's log"}
+    )
     before = _snapshot(call)
 
     response = client.post(_resolve_url(call), {"outcome": "happened", "external_ref": "n"})
@@ -431,3 +435,79 @@ def test_unknown_call_is_404_and_get_is_refused(client, operator):
     huge = f"/tool-calls/{2**70}/resolve/"  # past any row id: SQLite cannot even bind it
     assert client.post(huge, {"outcome": "reconcile"}).status_code == 404
     assert client.get("/tool-calls/999999/resolve/").status_code == 405
+
+
+def test_not_happened_without_proof_asks_for_an_attestation(client, operator, unsafe, system_actor):
+    call = _stuck_unsafe(system_actor)
+    client.force_login(operator)
+    page = client.get("/unknown/").content.decode()
+    assert f'id="id_attest_{call.id}" name="attestation"' in page
+    assert "Latest lookup:" in page
+    # the request as a table, masked values masked (issue 21 item 1)
+    assert '<tr><th scope="row">token</th><td>***</td></tr>' in page
+    assert "s3cr3t-t0k3n" not in page
+    before = _snapshot(call)
+
+    response = client.post(_resolve_url(call), {"outcome": "not_happened"})
+
+    assert response.status_code == 400
+    assert "attest why you know it did not happen" in response.content.decode()
+    assert _snapshot(call) == before
+
+
+# --- triage: many at once, by tool and time window (issue 21 item 4) --------------------------
+
+TRIAGE = "/unknown/triage/"
+
+
+def test_triage_lists_waiting_calls_by_tool_with_their_latest_lookup(
+    client, operator, unsafe, system_actor
+):
+    first, second = _stuck_unsafe(system_actor), _stuck_unsafe(system_actor)
+    client.force_login(operator)
+
+    page = client.get(TRIAGE, {"tool": "outcome_notify"}).content.decode()
+    other_tool = client.get(TRIAGE, {"tool": "refund_payment"}).content.decode()
+    before_any = client.get(TRIAGE, {"until": "2000-01-01T00:00"}).content.decode()
+
+    for call in (first, second):
+        assert f'name="call" value="{call.id}" form="triage-form"' in page
+        assert f'name="call" value="{call.id}"' not in other_tool
+        assert f'name="call" value="{call.id}"' not in before_any
+    assert "no lookup (unsafe: none possible)" in page
+    assert "s3cr3t-t0k3n" not in page  # masked
+    assert f'href="/runs/{first.run_id}/"' in page
+
+
+def test_triage_marks_failed_only_with_an_attestation_where_nothing_proves_absence(
+    client, operator, unsafe, system_actor
+):
+    first, second = _stuck_unsafe(system_actor), _stuck_unsafe(system_actor)
+    client.force_login(operator)
+    ids = [first.id, second.id]
+
+    refused = client.post(TRIAGE, {"outcome": "not_happened", "call": ids}).content.decode()
+    assert refused.count("Refused: no lookup that started after the landing deadline") == 2
+    assert set(ToolCall.objects.filter(id__in=ids).values_list("status", flat=True)) == {"unknown"}
+
+    done = client.post(
+        TRIAGE,
+        {"outcome": "not_happened", "call": ids, "attestation": "provider outage: none sent"},
+    )
+    assert done.content.decode().count("Done: mark as not happened") == 2
+    assert done["HX-Trigger"] == "outcomes-changed, runs-changed"
+    for call in (first, second):
+        [resolved] = events(call.run_id, "tool.resolved")
+        assert resolved.actor == "user:olivia"
+        assert resolved.payload["attestation"] == "provider outage: none sent"
+        assert resolved.payload["absence_proven"] is False
+
+
+def test_triage_refuses_who_may_not_resolve(client, viewer, unsafe, system_actor):
+    call = _stuck_unsafe(system_actor)
+    client.force_login(viewer)
+    response = client.post(
+        TRIAGE, {"outcome": "not_happened", "call": [call.id], "attestation": "x"}
+    )
+    assert response.status_code == 403
+    assert ToolCall.objects.get(id=call.id).status == "unknown"

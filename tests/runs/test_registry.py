@@ -17,6 +17,7 @@ from runs.registry import (
     OnExpiry,
     Tool,
     ToolResult,
+    argument_rows,
     call_summary,
     money,
     registry,
@@ -254,3 +255,26 @@ def test_a_summary_is_not_part_of_the_fingerprint():
         return ToolResult(result={})
 
     assert _tool(call).version == _tool(call, summary=lambda a: "a charge").version
+
+
+def test_money_arguments_are_not_part_of_the_fingerprint():
+    # how an amount is shown to people (issue 21): declaring it retires no call in flight
+    def call(arguments, ctx):
+        return ToolResult(result={})
+
+    assert _tool(call).version == _tool(call, money_arguments={"amount": "EUR"}).version
+
+
+def test_argument_rows_show_money_with_its_currency_and_keep_masked_values():
+    rows = argument_rows(
+        "refund_payment",
+        {"order_id": "ord_1004", "amount_cents": 250000, "customer_email": "***", "n": [1]},
+    )
+    assert rows == [
+        ("order_id", "ord_1004"),
+        ("amount_cents", "2,500.00 EUR"),
+        ("customer_email", "***"),
+        ("n", "[1]"),
+    ]
+    # an unknown tool: the values as they are
+    assert argument_rows("gone_tool", {"amount_cents": 5}) == [("amount_cents", "5")]

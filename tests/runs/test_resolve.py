@@ -120,7 +120,9 @@ def test_happened_records_an_operator_receipt_and_the_agent_goes_on(unsafe, syst
 def test_not_happened_fails_the_step_and_the_agent_decides_next(unsafe, system_actor, olivia):
     run, call = _stuck_unsafe_run(system_actor)
 
-    call = toolcall_resolve(tool_call_id=call.id, outcome="not_happened", actor=olivia)
+    call = toolcall_resolve(
+        tool_call_id=call.id, outcome="not_happened", actor=olivia, attestation="checked"
+    )
 
     assert call.status == ToolCall.Status.FAILED
     assert call.receipt.source == ToolReceipt.Source.OPERATOR
@@ -267,3 +269,51 @@ def test_refund_dispatched_again_by_an_operator_is_applied_exactly_once(
     assert [p["idempotency_key"] for p in posts] == [call.idempotency_key] * 2
     (refund,) = refunds(sandbox)
     assert run.result == {"refunded": True, "refund_id": refund["refund_id"]}
+
+
+# --- marking failed needs proof of absence or an attestation (issue 21 item 4) ---------------
+
+
+def test_not_happened_without_a_proving_lookup_needs_an_attestation_that_is_recorded(
+    unsafe, system_actor, olivia
+):
+    from runs.services import AttestationRequired
+
+    run, call = _stuck_unsafe_run(system_actor)  # unsafe: no lookup can ever prove absence
+
+    refused = pytest.raises(AttestationRequired, match="no lookup that started after")
+    with refused, transaction.atomic():
+        toolcall_resolve(tool_call_id=call.id, outcome="not_happened", actor=olivia)
+    assert ToolCall.objects.get(id=call.id).status == ToolCall.Status.UNKNOWN
+
+    toolcall_resolve(
+        tool_call_id=call.id,
+        outcome="not_happened",
+        actor=olivia,
+        attestation="  the provider's  log shows no message ",
+    )
+    [resolved] = events(run.id, "tool.resolved")
+    assert resolved.payload["attestation"] == "the provider's log shows no message"
+    assert resolved.payload["absence_proven"] is False
+    assert resolved.actor == "user:olivia"
+
+
+def test_absence_is_proven_only_by_an_absent_lookup_that_started_after_the_landing_deadline():
+    from datetime import UTC, datetime, timedelta
+
+    from runs.selectors import toolcall_absence_proven
+
+    deadline = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    call = ToolCall(landing_deadline=deadline)
+
+    def lookup(outcome: str, started: datetime) -> dict:
+        return {"outcome": outcome, "started_at": started.isoformat()}
+
+    after, before = deadline + timedelta(seconds=1), deadline - timedelta(seconds=1)
+    assert toolcall_absence_proven(call=call, latest_lookup=lookup("absent", after))
+    assert not toolcall_absence_proven(call=call, latest_lookup=lookup("absent", before))
+    assert not toolcall_absence_proven(call=call, latest_lookup=lookup("unknown", after))
+    assert not toolcall_absence_proven(call=call, latest_lookup=None)
+    # a call dispatched without deadlines: nothing proves when it could still land
+    undated = ToolCall(landing_deadline=None)
+    assert not toolcall_absence_proven(call=undated, latest_lookup=lookup("absent", after))
