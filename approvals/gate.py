@@ -9,10 +9,22 @@ from django.db.models.functions import Now
 from approvals.models import Approval
 from approvals.notify import links_create_and_email
 from runs.dbtime import db_now
-from runs.gate import GateRefused
+from runs.gate import GateRefused, GateView
 
 
 class ApprovalsGate:
+    def approvals_of(self, call_ids) -> dict:
+        views: dict = {}
+        rows = (
+            Approval.objects.filter(tool_call_id__in=list(call_ids))
+            .order_by("id")
+            .values_list("tool_call_id", "id", "status", "consumed_at")
+        )
+        for call_id, approval_id, status, consumed_at in rows:
+            state = "consumed" if consumed_at is not None else status
+            views.setdefault(call_id, []).append(GateView(approval_id, state))
+        return views
+
     def request(self, *, cp, run, call, tool) -> None:
         policy = tool.approval
         approval = Approval.objects.create(

@@ -7,7 +7,9 @@ refused (the engine fails the step) rather than dispatched unapproved.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from runs.models import Run, ToolCall
@@ -19,7 +21,27 @@ class GateRefused(Exception):
     """No valid approval for this exact call: it must not be dispatched."""
 
 
+@dataclass(frozen=True)
+class GateView:
+    """What ``runs`` may know of one approval of a call, without reading approvals' tables:
+    its id and its state — ``pending``, ``approved`` (not yet used), ``consumed`` (used by
+    a dispatch), ``rejected``, ``expired`` or ``cancelled`` (invalidated: the run ended,
+    the call or its tool changed)."""
+
+    id: Any
+    state: str
+
+    @property
+    def live(self) -> bool:
+        """Still deciding, or decided yes and not used: the call's current approval."""
+        return self.state in ("pending", "approved")
+
+
 class ApprovalGate(Protocol):
+    def approvals_of(self, call_ids: Iterable[Any]) -> dict[Any, list[GateView]]:
+        """Each call's approvals, oldest first (one query whatever the number of calls);
+        a call with none is absent."""
+
     def request(self, *, cp: Checkpoint, run: Run, call: ToolCall, tool: Tool) -> None:
         """Inside the ``approval_requested`` transaction: create the pending approval and
         append ``approval.requested`` through ``cp``."""
@@ -36,6 +58,9 @@ class ApprovalGate(Protocol):
 
 class _NoGate:
     installed = False
+
+    def approvals_of(self, call_ids) -> dict:
+        return {}
 
     def request(self, *, cp, run, call, tool) -> None:
         raise GateRefused("no approval gate is installed; the call needs approval")

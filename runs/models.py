@@ -279,7 +279,7 @@ class ToolCall(models.Model):
                 name="toolcall_unknown_idx",
                 condition=Q(status="unknown"),
             ),
-            # a family's call under a key (engine._family_call); no LIKE index: exact lookups
+            # a family's call under a key (engine.family_call); no LIKE index: exact lookups
             models.Index(fields=["idempotency_key"], name="toolcall_key_idx"),
             # calls not settled yet (metrics); settled calls, nearly all of them, stay out
             models.Index(

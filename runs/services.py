@@ -345,7 +345,7 @@ def _requeue(cp: Checkpoint, run_id: Any) -> None:
 
 
 def _budget_exhaustion(run: Run) -> str:
-    """The engine's rule (``runs.engine._budget_exhausted``) in wall-clock time: used here to
+    """The engine's rule (``runs.engine.budget_exhausted``) in wall-clock time: used here to
     refuse a top-up that would not let the run go on."""
     if run.max_steps is not None and run.steps_used >= run.max_steps:
         return f"{run.steps_used} of {run.max_steps} steps used"

@@ -134,3 +134,24 @@ def test_the_scanner_sees_every_way_of_writing(tmp_path):
     finally:
         ROOT = saved
     assert [line.split(":")[1].split()[0] for line in found] == ["1", "2", "3", "4", "5", "6", "7"]
+
+
+def test_the_remote_protocol_uses_only_the_engines_public_names():
+    """One engine for hosted and remote runs: ``runs.remote`` calls the engine through the
+    names ``runs.engine`` exports, never through an underscore name or a submodule."""
+    found = []
+    for path in sorted((ROOT / "runs" / "remote").rglob("*.py")):
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "engine"
+                and node.attr.startswith("_")
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} engine.{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                "runs.engine."
+            ):
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno} from {node.module}")
+    assert not found, "\n".join(found)

@@ -5,16 +5,16 @@ re-bound to a tool that changed since it was decided."""
 from __future__ import annotations
 
 from runs.engine import serving
-from runs.engine.deciding import _continue_wait
-from runs.engine.lease import Lease, Outcome, _park_needs_attention, _release
+from runs.engine.deciding import continue_wait
+from runs.engine.lease import Lease, Outcome, park_needs_attention, release
 from runs.engine.toolcalls import (
-    _complete_step,
-    _dispatch,
-    _fail_step,
     _fail_step_in,
-    _mark_unknown,
     _precondition,
     _reconcile,
+    complete_step,
+    dispatch,
+    fail_step,
+    mark_unknown,
 )
 from runs.gate import get_gate
 from runs.models import Run, RunEvent, Step, ToolCall, ToolReceipt
@@ -25,31 +25,29 @@ from runs.registry import Tool, UnknownTool, registry
 
 def _continue_step(lease: Lease, step: Step) -> str:
     if step.kind == Step.Kind.WAIT:
-        return _continue_wait(lease, step)
+        return continue_wait(lease, step)
     if step.kind != Step.Kind.TOOL_CALL:
-        _fail_step(lease, step, f"cannot continue a {step.kind} step")
+        fail_step(lease, step, f"cannot continue a {step.kind} step")
         return Outcome.CONTINUE
     call = ToolCall.objects.select_related("step").get(step=step)
-    if _settle_from_record(lease, step, call):
+    if settle_from_record(lease, step, call):
         return Outcome.CONTINUE
     try:
         tool = registry.tool(call.tool_name)
     except UnknownTool:
         tool = None
-    if not _tool_accepts(lease, step, call, tool):
-        return _tool_changed(lease, step, call, tool)
+    if not tool_accepts(lease, step, call, tool):
+        return tool_changed(lease, step, call, tool)
 
     status = call.status
     if status in (ToolCall.Status.PROPOSED, ToolCall.Status.APPROVED):
-        return _dispatch(lease, step, call, tool)
+        return dispatch(lease, step, call, tool)
     if status == ToolCall.Status.AWAITING_APPROVAL:
-        _release(lease, status=Run.Status.WAITING_APPROVAL)
+        release(lease, status=Run.Status.WAITING_APPROVAL)
         return Outcome.PARKED
     if status == ToolCall.Status.DISPATCHING:
         # Left in flight by an earlier incarnation: nobody knows whether it took effect.
-        _mark_unknown(
-            lease, call, f"left in dispatching by incarnation {call.dispatch_incarnation}"
-        )
+        mark_unknown(lease, call, f"left in dispatching by incarnation {call.dispatch_incarnation}")
         return _reconcile(lease, step, call, tool, interrupted=True)
     if status == ToolCall.Status.UNKNOWN and call.redispatch_authorized:
         # An operator chose "dispatch again" (toolcall_resolve): their call replaces the
@@ -60,7 +58,7 @@ def _continue_step(lease: Lease, step: Step) -> str:
     return _reconcile(lease, step, call, tool)
 
 
-def _settle_from_record(lease: Lease, step: Step, call: ToolCall) -> bool:
+def settle_from_record(lease: Lease, step: Step, call: ToolCall) -> bool:
     """Settled is settled: a call with a receipt (from the tool, a reconciliation or an
     operator), a rejection or a cancellation ends its step from the record, whatever was
     deployed since — the tool is not looked at, so a changed or retired tool can neither
@@ -69,10 +67,10 @@ def _settle_from_record(lease: Lease, step: Step, call: ToolCall) -> bool:
     The hosted loop and the remote protocol's resume checklist both start here."""
     if call.status == ToolCall.Status.REJECTED:
         comment = call.last_error  # the approver's comment (toolcall_gate_settled)
-        _fail_step(lease, step, f"approval rejected: {comment}" if comment else "approval rejected")
+        fail_step(lease, step, f"approval rejected: {comment}" if comment else "approval rejected")
         return True
     if call.status == ToolCall.Status.CANCELLED:
-        _fail_step(lease, step, "tool call cancelled")
+        fail_step(lease, step, "tool call cancelled")
         return True
     if call.status not in (ToolCall.Status.SUCCEEDED, ToolCall.Status.FAILED):
         return False
@@ -86,11 +84,11 @@ def _settle_from_record(lease: Lease, step: Step, call: ToolCall) -> bool:
         error = str(result.get("error", "")) if isinstance(result, dict) else ""
         error = error or call.last_error or "the tool call failed"
     with lease.checkpoint() as cp:
-        _complete_step(cp, lease, step, call, ok, receipt.result if ok else None, error)
+        complete_step(cp, lease, step, call, ok, receipt.result if ok else None, error)
     return True
 
 
-def _tool_accepts(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -> bool:
+def tool_accepts(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -> bool:
     """Whether the registered tool is the one the call was decided for: the same fingerprint,
     or one the tool declares compatible on purpose (``compatible_with``). An accepted
     change is recorded once per call and fingerprint (``tool.version_accepted``); the call
@@ -118,9 +116,9 @@ def _tool_accepts(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -
     return True
 
 
-def _tool_changed(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -> str:
+def tool_changed(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -> str:
     """The call's tool is gone or changed since it was decided (DESIGN §5.2), and the call
-    has not settled (``_settle_from_record`` comes first). A call never dispatched is bound
+    has not settled (``settle_from_record`` comes first). A call never dispatched is bound
     to the new fingerprint, its approval cancelled and asked again; one whose arguments the
     new tool refuses, or whose tool is gone, is cancelled and its step fails with
     ``tool_retired``; one in flight keeps its unknown outcome for a person."""
@@ -133,10 +131,10 @@ def _tool_changed(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) -
         return Outcome.PARKED  # a worker of the release that decided the call serves it
     if call.status in (ToolCall.Status.DISPATCHING, ToolCall.Status.UNKNOWN):
         if call.status == ToolCall.Status.DISPATCHING:
-            _mark_unknown(lease, call, "left in dispatching; " + detail)
-        _park_needs_attention(lease, Run.Reason.TOOL_RETIRED, detail + "; its outcome is unknown")
+            mark_unknown(lease, call, "left in dispatching; " + detail)
+        park_needs_attention(lease, Run.Reason.TOOL_RETIRED, detail + "; its outcome is unknown")
         return Outcome.PARKED
-    if _settle_from_record(lease, step, call):
+    if settle_from_record(lease, step, call):
         return Outcome.CONTINUE  # settled: never failed by a compatibility check
     undispatched = (
         ToolCall.Status.PROPOSED,

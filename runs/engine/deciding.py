@@ -13,18 +13,18 @@ from runs.engine.lease import (
     Outcome,
     _conf,
     _describe,
-    _finish,
-    _principal_refusal,
+    finish,
+    principal_refusal,
 )
 from runs.engine.toolcalls import (
     _call_tool,
-    _complete_step,
     _execute,
     _mark_dispatching,
-    _mark_unknown,
     _reconcile,
-    _record_receipt,
     _storage_notes,
+    complete_step,
+    mark_unknown,
+    record_receipt,
 )
 from runs.gate import gate_installed
 from runs.models import Run, Step, ToolCall, ToolReceipt
@@ -50,19 +50,19 @@ from runs.registry import (
 def _decide(lease: Lease, action: Any) -> str:
     seq = (lease.steps[-1].seq + 1) if lease.steps else 1
     if isinstance(action, Finish):
-        _finish(lease, Run.Status.SUCCEEDED, result=action.result, seq=seq)
+        finish(lease, Run.Status.SUCCEEDED, result=action.result, seq=seq)
         return Outcome.PARKED
     if isinstance(action, Fail):
         code, detail = action.code, action.reason
         if code not in AGENT_FAIL_CODES:
             code, detail = Run.Reason.AGENT_FAILED, f"{detail} (unknown reason code {code!r})"
-        _finish(lease, Run.Status.FAILED, reason=code, detail=detail, seq=seq)
+        finish(lease, Run.Status.FAILED, reason=code, detail=detail, seq=seq)
         return Outcome.PARKED
     if isinstance(action, CallTool):
-        return _decide_call(lease, action, seq)
+        return decide_call(lease, action, seq)
     if isinstance(action, WaitForSignal | Sleep | AskQuestion):
-        return _decide_wait(lease, action, seq)
-    _finish(
+        return decide_wait(lease, action, seq)
+    finish(
         lease,
         Run.Status.FAILED,
         reason=Run.Reason.AGENT_FAILED,
@@ -90,7 +90,7 @@ def _rejected_call(lease: Lease, action: CallTool, seq: int, error: str) -> str:
     return Outcome.CONTINUE
 
 
-def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = True) -> str:
+def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = True) -> str:
     """``execute=False`` (remote agents): the call is recorded and left ``proposed`` for the
     agent process to dispatch (``runs.remote``) instead of being called here."""
     run = lease.run
@@ -120,13 +120,13 @@ def _decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tr
             lease, action, seq, "the call needs approval and no gate is installed"
         )
     masked = tool.mask(arguments)
-    revoked = _principal_refusal(lease, tool)
+    revoked = principal_refusal(lease, tool)
     root_id = run.root_run_id or run.id
     idempotency_key = f"{root_id}:{seq}"
     sibling = None
     if root_id != run.id:
         # A fork: its family may already have used this key (DESIGN §5.2, docs/recovery.md).
-        sibling = _family_call(run, idempotency_key)
+        sibling = family_call(run, idempotency_key)
         if sibling is not None and (
             sibling.tool_name != tool.name or sibling.arguments_digest != digest(arguments)
         ):
@@ -242,7 +242,7 @@ def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) ->
             rows.insert(call)
         lease.run.steps_used += 1
         lease.steps.append(step)
-        _mark_unknown(lease, call, error)
+        mark_unknown(lease, call, error)
         return _reconcile(lease, step, call, tool)
     output = result.result if result else None
     with lease.checkpoint(optimistic=True) as cp:
@@ -253,7 +253,7 @@ def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) ->
         _mark_dispatching(cp, call, lease, tool)
         call.dispatched_at = dispatched_at
         cp.insert(call)  # with the status the receipt gives it (record_receipt, later=True)
-        _record_receipt(
+        record_receipt(
             cp,
             lease,
             call,
@@ -270,7 +270,7 @@ def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) ->
     return Outcome.CONTINUE
 
 
-def _decide_wait(lease: Lease, action: WaitForSignal | Sleep | AskQuestion, seq: int) -> str:
+def decide_wait(lease: Lease, action: WaitForSignal | Sleep | AskQuestion, seq: int) -> str:
     """``decided`` + ``run.waiting`` in one commit: the wait step, its question, and the run
     parked in ``waiting_event`` with no lease. A signal that arrived before the wait began
     (or a timer already due) ends it in this same commit: services lock the same run row,
@@ -310,7 +310,7 @@ def _decide_wait(lease: Lease, action: WaitForSignal | Sleep | AskQuestion, seq:
     return Outcome.CONTINUE if ended else Outcome.PARKED
 
 
-def _continue_wait(lease: Lease, step: Step) -> str:
+def continue_wait(lease: Lease, step: Step) -> str:
     """An open wait found at claim: woken by a signal or an answer, by its timer or timeout,
     or by a recovery. What ends it is read from the record; if nothing does yet, the run
     parks again (a duplicate wake-up costs one commit, never a lost wait)."""
@@ -323,7 +323,7 @@ def _continue_wait(lease: Lease, step: Step) -> str:
     return Outcome.CONTINUE if ended else Outcome.PARKED
 
 
-def _family_call(run: Run, idempotency_key: str) -> ToolCall | None:
+def family_call(run: Run, idempotency_key: str) -> ToolCall | None:
     """The call another run of this fork's family made under this key: the one with a
     receipt first, then one that was dispatched."""
     calls = list(
@@ -399,7 +399,7 @@ def _decide_family_call(
                 recorded_by=lease.actor,
                 incarnation=lease.fence,
             )
-            _complete_step(cp, lease, step, call, True, receipt.result, "")
+            complete_step(cp, lease, step, call, True, receipt.result, "")
         elif in_doubt:
             transitions.call_in_doubt(cp, call, sibling=sibling, seq=seq)
         elif needs_approval:

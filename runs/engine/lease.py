@@ -117,7 +117,7 @@ class Outcome:
     PARKED = "parked"  # lease released: waiting, needs attention, finished, yielded
 
 
-def _principal_refusal(lease: Lease, tool: Tool | None) -> str:
+def principal_refusal(lease: Lease, tool: Tool | None) -> str:
     """Why the run's principal may not act now (deactivated, or not in a group ``tool``
     allows); empty when it may. Runs without a principal act as the system."""
     run = lease.run
@@ -140,7 +140,7 @@ def _principal_refusal(lease: Lease, tool: Tool | None) -> str:
     return ""
 
 
-def _pause_principal_revoked(lease: Lease, detail: str) -> None:
+def pause_principal_revoked(lease: Lease, detail: str) -> None:
     with lease.checkpoint() as cp:
         run_pause(cp, by="system", code=Run.Reason.PRINCIPAL_REVOKED, detail=detail)
 
@@ -178,7 +178,7 @@ def _describe(exc: BaseException) -> str:
 # --- releasing the lease ----------------------------------------------------------------------
 
 
-def _release(
+def release(
     lease: Lease, *, status: str = Run.Status.QUEUED, wake_at: datetime | None = None
 ) -> None:
     with lease.checkpoint() as cp:
@@ -193,12 +193,12 @@ def _yield(lease: Lease) -> None:
         enqueue_on_commit(lease.run.id)
 
 
-def _park_needs_attention(lease: Lease, reason: str, detail: str) -> None:
+def park_needs_attention(lease: Lease, reason: str, detail: str) -> None:
     with lease.checkpoint() as cp:
         run_park(cp, reason, detail)
 
 
-def _finish(
+def finish(
     lease: Lease,
     status: str,
     *,

@@ -21,12 +21,12 @@ from runs.engine.lease import (
     Outcome,
     _conf,
     _describe,
-    _finish,
-    _park_needs_attention,
-    _pause_principal_revoked,
-    _principal_refusal,
     _yield,
+    finish,
     log,
+    park_needs_attention,
+    pause_principal_revoked,
+    principal_refusal,
 )
 from runs.engine.toolcalls import _LeaseKeeper
 from runs.models import Run, Step
@@ -62,7 +62,7 @@ def advance(run_id: Any, *, worker: str) -> str:
         if lease is None:
             return "not_claimed"
         try:
-            outcome = _drive(lease)
+            outcome = drive(lease)
         except LeaseLost as exc:
             log.warning("run %s: %s; stopping this incarnation", run_id, exc)
             _note_lease_lost(lease, str(exc))
@@ -100,7 +100,7 @@ def set_stop_check(check: Callable[[], bool]) -> None:
     _stop_requested = check
 
 
-def _drive(lease: Lease) -> str:
+def drive(lease: Lease) -> str:
     # every log line written while this incarnation drives the run says which it is
     # (runs/logs.py): the engine's, a tool's, an HTTP client's
     with logs.bind(
@@ -116,36 +116,36 @@ def _drive_slice(lease: Lease) -> str:
     if lease.agent is None:
         if serving.hand_off(lease, f"agent {lease.run.agent_name!r} is not registered here"):
             return "handed_off"
-        _park_needs_attention(
+        park_needs_attention(
             lease,
             Run.Reason.INCOMPATIBLE_AGENT_VERSION,
             f"agent {lease.run.agent_name!r} is not registered",
         )
         return "parked"
     # DESIGN §5: everything below is checked on every claim, before anything new is decided
-    if not _migrate_agent_version(lease):
+    if not migrate_agent_version(lease):
         return "parked"
     _apply_model_policy(lease)
     # counted since an operator last retried a dead-lettered run (run_retry_recovery)
     recoveries = lease.run.recovery_count - lease.run.recovery_count_at_retry
     if lease.recovered and recoveries > _conf("MAX_RECOVERIES"):
-        _park_needs_attention(
+        park_needs_attention(
             lease,
             Run.Reason.RECOVERY_LIMIT,
             f"recovered {recoveries} times (limit {_conf('MAX_RECOVERIES')}); "
             f"{lease.run.recovery_count} in all",
         )
         return "parked"
-    revoked = _principal_refusal(lease, tool=None)
+    revoked = principal_refusal(lease, tool=None)
     if revoked:
-        _pause_principal_revoked(lease, revoked)
+        pause_principal_revoked(lease, revoked)
         return "parked"
     started = time.monotonic()
     advanced = 0
     while True:
-        if _honour_request(lease):
+        if honour_request(lease):
             return "parked"
-        outcome = _advance_once(lease)
+        outcome = advance_once(lease)
         if outcome == Outcome.PARKED:
             return "parked"
         advanced += 1
@@ -158,7 +158,7 @@ def _drive_slice(lease: Lease) -> str:
             return "yielded"
 
 
-def _migrate_agent_version(lease: Lease) -> bool:
+def migrate_agent_version(lease: Lease) -> bool:
     """A run started on another version of its agent: upgrade its state through the agent's
     registered migrations (recorded), or park it for a person. False when parked."""
     run, agent = lease.run, lease.agent
@@ -169,7 +169,7 @@ def _migrate_agent_version(lease: Lease) -> bool:
         why = f"{run.agent_name} version {run.agent_version}: this worker runs {agent.version}"
         if serving.hand_off(lease, why):
             return False
-        _park_needs_attention(
+        park_needs_attention(
             lease,
             Run.Reason.INCOMPATIBLE_AGENT_VERSION,
             f"run was started on {run.agent_name} version {run.agent_version}; the registered "
@@ -184,7 +184,7 @@ def _migrate_agent_version(lease: Lease) -> bool:
         for _source, _target, migrate in path:
             state = migrate(state)
     except Exception as exc:
-        _park_needs_attention(
+        park_needs_attention(
             lease,
             Run.Reason.INCOMPATIBLE_AGENT_VERSION,
             f"state migration from {run.agent_name} version {run.agent_version} to "
@@ -219,7 +219,7 @@ def _apply_model_policy(lease: Lease) -> None:
     run.model_id = configured
 
 
-def _honour_request(lease: Lease) -> bool:
+def honour_request(lease: Lease) -> bool:
     run = lease.run
     if not run.requested_action:
         return False
@@ -234,13 +234,13 @@ def _honour_request(lease: Lease) -> bool:
     return True
 
 
-def _advance_once(lease: Lease) -> str:
+def advance_once(lease: Lease) -> str:
     step = lease.open_step()
     if step is not None:
         return _continue_step(lease, step)
-    exhausted = _budget_exhausted(lease)
+    exhausted = budget_exhausted(lease)
     if exhausted:
-        _park_needs_attention(lease, Run.Reason.BUDGET_EXHAUSTED, exhausted)
+        park_needs_attention(lease, Run.Reason.BUDGET_EXHAUSTED, exhausted)
         return Outcome.PARKED
     # an agent that asks a remote model may take longer than half a lease: keep it renewed
     keeper = _LeaseKeeper(lease) if getattr(lease.agent, "slow_decide", False) else nullcontext()
@@ -258,11 +258,11 @@ def _advance_once(lease: Lease) -> str:
     except ModelWithdrawn as exc:
         # Not the agent's fault either, and waiting will not bring the model back: a person
         # moves the run to the configured model (retry) or forks it — its work is kept.
-        _park_needs_attention(lease, Run.Reason.MODEL_UNAVAILABLE, _describe(exc))
+        park_needs_attention(lease, Run.Reason.MODEL_UNAVAILABLE, _describe(exc))
         return Outcome.PARKED
     except Exception as exc:
         # The agent's own code failed: a clear, recorded failure, never a crash loop.
-        _finish(lease, Run.Status.FAILED, reason=Run.Reason.AGENT_FAILED, detail=_describe(exc))
+        finish(lease, Run.Status.FAILED, reason=Run.Reason.AGENT_FAILED, detail=_describe(exc))
         return Outcome.PARKED
     if isinstance(action, Decision):
         # recorded in the decided commit (Lease.checkpoint), whatever the action turns out to be
@@ -288,7 +288,7 @@ def _view(step: Step) -> StepView:
     return transitions.step_view(step)
 
 
-def _budget_exhausted(lease: Lease) -> str:
+def budget_exhausted(lease: Lease) -> str:
     """Checked from persisted usage before every decision: a restart never resets it."""
     run = lease.run
     if run.max_steps is not None and run.steps_used >= run.max_steps:

@@ -22,11 +22,11 @@ from runs.engine.lease import (
     Outcome,
     _conf,
     _describe,
-    _park_needs_attention,
-    _pause_principal_revoked,
-    _principal_refusal,
-    _release,
     log,
+    park_needs_attention,
+    pause_principal_revoked,
+    principal_refusal,
+    release,
 )
 from runs.gate import GateRefused, get_gate
 from runs.models import Run, Step, ToolCall, ToolReceipt
@@ -76,7 +76,7 @@ def _precondition(lease: Lease, tool: Tool, call: ToolCall) -> str | None:
     try:
         return tool.precondition(call.arguments)  # may do I/O: outside any transaction
     except Exception as exc:
-        _park_needs_attention(
+        park_needs_attention(
             lease,
             Run.Reason.PRECONDITION_FAILED,
             f"the precondition of {tool.name} (call {call.idempotency_key}) raised: "
@@ -85,13 +85,13 @@ def _precondition(lease: Lease, tool: Tool, call: ToolCall) -> str | None:
         return None
 
 
-def _dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: bool = True) -> str:
+def dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: bool = True) -> str:
     """The ``dispatching`` boundary for an approved call or a re-dispatch with the same key:
     attempt incremented, approval consumed, precondition re-checked, in one transaction.
     ``execute=False`` (remote agents): stop there; the agent process calls the tool."""
-    revoked = _principal_refusal(lease, tool)
+    revoked = principal_refusal(lease, tool)
     if revoked:
-        _pause_principal_revoked(lease, revoked)
+        pause_principal_revoked(lease, revoked)
         return Outcome.PARKED
     if tool.precondition is not None:
         fingerprint = _precondition(lease, tool, call)
@@ -314,12 +314,12 @@ _EXTERNAL_REF_MAX = ToolReceipt._meta.get_field("external_ref").max_length
 def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
     ok, result, error = _call_tool(lease, call, tool, attempt=call.attempt_count)
     if ok is None:
-        _mark_unknown(lease, call, error)
+        mark_unknown(lease, call, error)
         return _reconcile(lease, step, call, tool)
     with lease.checkpoint(optimistic=True) as cp:
         # the receipt and both rows' new status go with the events (one statement on
         # PostgreSQL)
-        _record_receipt(
+        record_receipt(
             cp,
             lease,
             call,
@@ -330,13 +330,13 @@ def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
             later=True,
             notes=_storage_notes(result),
         )
-        _complete_step(
+        complete_step(
             cp, lease, step, call, ok, result.result if result else None, error, later=True
         )
     return Outcome.CONTINUE
 
 
-def _record_receipt(
+def record_receipt(
     cp,
     lease: Lease,
     call: ToolCall,
@@ -362,7 +362,7 @@ def _record_receipt(
     )
 
 
-def _complete_step(
+def complete_step(
     cp,
     lease: Lease,
     step: Step,
@@ -390,7 +390,7 @@ def _fail_step_in(cp, lease: Lease, step: Step, error: str) -> None:
     transitions.fail_step(cp, run=lease.run, agent=lease.agent, step=step, error=error)
 
 
-def _fail_step(lease: Lease, step: Step, error: str) -> None:
+def fail_step(lease: Lease, step: Step, error: str) -> None:
     with lease.checkpoint() as cp:
         _fail_step_in(cp, lease, step, error)
 
@@ -398,7 +398,7 @@ def _fail_step(lease: Lease, step: Step, error: str) -> None:
 # --- unknown outcomes (DESIGN §5.3) -----------------------------------------------------------
 
 
-def _mark_unknown(lease: Lease, call: ToolCall, error: str) -> None:
+def mark_unknown(lease: Lease, call: ToolCall, error: str) -> None:
     with lease.checkpoint() as cp:
         transitions.call_unknown(cp, call, error)
 
@@ -424,30 +424,30 @@ def _reconcile(
         # a crash between the two cannot count one failure twice.
         failures = call.reconcile_attempts + (0 if interrupted else 1)
         if failures >= _conf("READ_MAX_ATTEMPTS") and not authorized:
-            _fail_step(lease, step, f"read tool failed {failures} times: {call.last_error}")
+            fail_step(lease, step, f"read tool failed {failures} times: {call.last_error}")
             return Outcome.CONTINUE
         call.reconcile_attempts = failures
-        return _dispatch(lease, step, call, tool)
+        return dispatch(lease, step, call, tool)
     if tool.reconcile is None and tool.honours_key:
         # the external system deduplicates by key: the same key again is the lookup
-        return _dispatch(lease, step, call, tool)
+        return dispatch(lease, step, call, tool)
     if tool.effect == Effect.UNSAFE or tool.reconcile is None:
         if not authorized:
-            _park_needs_attention(
+            park_needs_attention(
                 lease,
                 Run.Reason.UNKNOWN_OUTCOME,
                 f"{tool.name} ({tool.effect}) may or may not have acted: {call.last_error}",
             )
             return Outcome.PARKED
         # nothing to look up: the person decided; the original may still not land first
-        can_land_until = _can_land_until(lease, call, tool)
-        if db_now() < can_land_until:
-            _release(lease, wake_at=can_land_until)
+        landing_until = can_land_until(lease, call, tool)
+        if db_now() < landing_until:
+            release(lease, wake_at=landing_until)
             return Outcome.PARKED
-        return _dispatch(lease, step, call, tool)
+        return dispatch(lease, step, call, tool)
 
     if call.next_reconcile_at is not None and call.next_reconcile_at > lease.now():
-        _release(lease, wake_at=call.next_reconcile_at)
+        release(lease, wake_at=call.next_reconcile_at)
         return Outcome.PARKED
     # when the lookup STARTED, in database time: only a lookup that began after the original
     # request could no longer land proves that it never will (one that straddles the
@@ -478,7 +478,7 @@ def _reconcile(
                 detail=detail,
                 started_at=lookup_started.isoformat(),
             )
-            _record_receipt(
+            record_receipt(
                 cp,
                 lease,
                 call,
@@ -488,20 +488,20 @@ def _reconcile(
                 source=ToolReceipt.Source.RECONCILIATION,
                 notes=_storage_notes(found),
             )
-            _complete_step(cp, lease, step, call, True, found.result, "")
+            complete_step(cp, lease, step, call, True, found.result, "")
         return Outcome.CONTINUE
 
     if outcome == LookupResult.ABSENT:
         # Reliably absent — as of when the lookup started. A re-send waits until a lookup
         # that started after the landing deadline says so.
-        can_land_until = _can_land_until(lease, call, tool)
+        landing_until = can_land_until(lease, call, tool)
         # a downstream that deduplicates by key may simply get the same key again
-        too_early = not tool.honours_key and lookup_started < can_land_until
+        too_early = not tool.honours_key and lookup_started < landing_until
         to_person = not too_early and tool.resend == Resend.PERSON and not authorized
         with lease.checkpoint() as cp:
             ToolCall.objects.filter(id=call.id).update(
                 reconcile_attempts=attempt,
-                next_reconcile_at=can_land_until if too_early else None,
+                next_reconcile_at=landing_until if too_early else None,
                 lookup_started_at=lookup_started,
                 lookups_begun=F("lookups_begun") + 1,
             )
@@ -512,15 +512,15 @@ def _reconcile(
                 outcome="absent",
                 detail=detail,
                 started_at=lookup_started.isoformat(),
-                redispatch_after=can_land_until.isoformat() if too_early else None,
+                redispatch_after=landing_until.isoformat() if too_early else None,
             )
             if too_early:
                 # look again once it can no longer land
-                run_release(cp, wake_at=can_land_until)
+                run_release(cp, wake_at=landing_until)
         if too_early:
             return Outcome.PARKED
         if to_person:
-            _park_needs_attention(
+            park_needs_attention(
                 lease,
                 Run.Reason.UNKNOWN_OUTCOME,
                 f"{tool.name}: the lookup found nothing under key {call.idempotency_key}; "
@@ -528,7 +528,7 @@ def _reconcile(
             )
             return Outcome.PARKED
         call.reconcile_attempts = attempt
-        return _dispatch(lease, step, call, tool)
+        return dispatch(lease, step, call, tool)
 
     # the lookup could not decide: retry with backoff, then a person
     if attempt >= _conf("RECONCILE_MAX_ATTEMPTS"):
@@ -543,7 +543,7 @@ def _reconcile(
                 outcome="unknown",
                 detail=detail,
             )
-        _park_needs_attention(
+        park_needs_attention(
             lease,
             Run.Reason.UNKNOWN_OUTCOME,
             f"{tool.name}: reconciliation could not decide after {attempt} attempts: {detail}",
@@ -567,7 +567,7 @@ def _reconcile(
     return Outcome.PARKED
 
 
-def _can_land_until(lease: Lease, call: ToolCall, tool: Tool) -> datetime:
+def can_land_until(lease: Lease, call: ToolCall, tool: Tool) -> datetime:
     """Until when a request sent at the call's last dispatch may still reach the system:
     its landing deadline, computed in database time by the dispatch (DESIGN §9). A call
     dispatched before deadlines were recorded: its dispatch time + the longest send window

@@ -251,11 +251,11 @@ def flush(
     record's end did not match — nothing was written), None with no update of the run.
     ``unlocked``: only the one statement may write (0 when the commit has no events)."""
     if cp.events:
-        update = _run_update(cp.run.id, cp.fence, updates)
+        run_update = _run_update(cp.run.id, cp.fence, updates)
         # without a lock and outside a transaction, a listener's rows need one with the events
         joined = unlocked and listeners and not connection.in_atomic_block
         with transaction.atomic(savepoint=False) if joined else nullcontext():
-            updated = _write_in_one_statement(cp, update, expect_seq)
+            updated = _write_in_one_statement(cp, run_update, expect_seq)
             if updated == 1:
                 for listener in listeners:
                     listener(cp)

@@ -11,15 +11,15 @@ Whoever holds a remote run's lease advances it: the lease is claimed with the en
 compare-and-set (``engine.claim(remote=True)``), and every write afterwards goes through a
 ``RemoteLease`` checkpoint filtered on the fence the claim returned; a stale fence, an
 expired lease or a run no longer ``running`` raises ``LeaseLost`` and nothing is written. The
-transitions themselves are the engine's (``_decide_call``, ``_dispatch``, ``_mark_unknown``,
-``_finish``, ...), called with ``execute=False``: the agent process makes the tool call.
+transitions themselves are the engine's (``decide_call``, ``dispatch``, ``mark_unknown``,
+``finish``, ...), called with ``execute=False``: the agent process makes the tool call.
 
 Workers never claim remote runs (``runs.record.common.kind_filter``); when a remote lease expires the
 sweeper hook ``remote_leases_expire`` puts the run back to ``queued`` ("waiting for an agent
 process") with a ``run.lease_expired`` event (and webhook). The next process to claim the
 lease gets a resume packet in which a call left ``dispatching`` is ``unknown``.
 
-Durable waits (``remote_wait_begin``) park the run through the engine's ``_decide_wait``.
+Durable waits (``remote_wait_begin``) park the run through the engine's ``decide_wait``.
 Since no worker claims the run to end its wait, whatever ends it does, in its own commit
 (``remote_wait_end``: a signal or an answer from ``runs.waits``, the timer or the timeout
 from the sweep hook ``remote_waits_end_due``), and the run is queued for an agent process

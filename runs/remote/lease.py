@@ -167,20 +167,20 @@ def _held(run_id: Any, fence: int, actor: Actor, lease_token: str) -> RemoteLeas
     )
 
 
-def _honour_request(lease: RemoteLease) -> None:
+def honour_request(lease: RemoteLease) -> None:
     """An operator asked to pause or terminate while this process held the lease: honoured
     at this boundary (after any receipt), and the process is told its lease is gone."""
     if not lease.run.requested_action:
         return
     action, by = lease.run.requested_action, lease.run.requested_by
-    if engine._honour_request(lease):
+    if engine.honour_request(lease):
         raise LeaseLost(f"{by} asked to {action} the run: the lease is released")
 
 
 def _check_budget(lease: RemoteLease) -> None:
-    exhausted = engine._budget_exhausted(lease)
+    exhausted = engine.budget_exhausted(lease)
     if exhausted:
-        engine._park_needs_attention(lease, Run.Reason.BUDGET_EXHAUSTED, exhausted)
+        engine.park_needs_attention(lease, Run.Reason.BUDGET_EXHAUSTED, exhausted)
         raise BudgetExhausted(exhausted + "; the run now needs a person (top up its budget)")
 
 
@@ -207,26 +207,26 @@ def _settle_open_step(lease: RemoteLease) -> None:
     in flight by an earlier incarnation becomes ``unknown`` (never silently dispatched
     again), and an ``unsafe`` unknown outcome goes to a person. An open wait (claimed
     because its timer or timeout fell due before the sweeper ended it) ends here as the
-    engine's ``_continue_wait`` ends it, or parks again."""
+    engine's ``continue_wait`` ends it, or parks again."""
     step = lease.open_step()
     if step is not None and step.kind == Step.Kind.WAIT:
-        engine._continue_wait(lease, step)
+        engine.continue_wait(lease, step)
         return
     found = _open_step_call(lease)
     if found is None:
         return
     step, call = found
-    if engine._settle_from_record(lease, step, call):
+    if engine.settle_from_record(lease, step, call):
         return
     try:
         tool = registry.tool(call.tool_name)
     except UnknownTool:
         tool = None
-    if not engine._tool_accepts(lease, step, call, tool):
-        engine._tool_changed(lease, step, call, tool)
+    if not engine.tool_accepts(lease, step, call, tool):
+        engine.tool_changed(lease, step, call, tool)
         return
     if call.status == ToolCall.Status.DISPATCHING:
-        engine._mark_unknown(
+        engine.mark_unknown(
             lease, call, f"left in dispatching by incarnation {call.dispatch_incarnation}"
         )
     if (
@@ -234,7 +234,7 @@ def _settle_open_step(lease: RemoteLease) -> None:
         and _needs_person(tool)
         and not call.redispatch_authorized  # an operator chose "dispatch again" already
     ):
-        engine._park_needs_attention(
+        engine.park_needs_attention(
             lease,
             Run.Reason.UNKNOWN_OUTCOME,
             f"{tool.name} ({tool.effect}) may or may not have acted: {call.last_error}",
@@ -288,25 +288,25 @@ def remote_lease_acquire(*, run_id: Any, actor: Actor, owner: str = "") -> Lease
         with lease.checkpoint() as cp:
             cp.update(reason_detail="")
     if lease.agent is None:
-        engine._park_needs_attention(
+        engine.park_needs_attention(
             lease,
             Run.Reason.INCOMPATIBLE_AGENT_VERSION,
             f"agent {lease.run.agent_name!r} is not registered",
         )
     else:
         migrated_from = lease.run.agent_version
-        if engine._migrate_agent_version(lease):
+        if engine.migrate_agent_version(lease):
             recoveries = lease.run.recovery_count - lease.run.recovery_count_at_retry
             if recoveries > settings.AGENTOPS["MAX_RECOVERIES"]:
-                engine._park_needs_attention(
+                engine.park_needs_attention(
                     lease,
                     Run.Reason.RECOVERY_LIMIT,
                     f"recovered {recoveries} times (limit {settings.AGENTOPS['MAX_RECOVERIES']})",
                 )
             else:
-                revoked = engine._principal_refusal(lease, tool=None)
+                revoked = engine.principal_refusal(lease, tool=None)
                 if revoked:
-                    engine._pause_principal_revoked(lease, revoked)
+                    engine.pause_principal_revoked(lease, revoked)
                 else:
                     _settle_open_step(lease)
     run = Run.objects.get(id=run_id)
@@ -347,8 +347,8 @@ def remote_lease_heartbeat(*, run_id: Any, fence: int, lease_token: str, actor: 
 def remote_lease_release(*, run_id: Any, fence: int, lease_token: str, actor: Actor) -> Run:
     """Give the lease back; the run waits (``queued``) for an agent process."""
     lease = _held(run_id, fence, actor, lease_token)
-    if not engine._honour_request(lease):
-        engine._release(lease)
+    if not engine.honour_request(lease):
+        engine.release(lease)
     return Run.objects.get(id=run_id)
 
 

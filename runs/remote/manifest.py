@@ -91,7 +91,7 @@ def _policy(spec: Mapping[str, Any]) -> ApprovalPolicy:
 
 # The fingerprint an agent process reports at propose and dispatch time (``precondition``):
 # a manifest tool with ``precondition: true`` reads it through the Tool's ``precondition``
-# hook, so the engine's own re-check (``_dispatch``) compares them.
+# hook, so the engine's own re-check (``dispatch``) compares them.
 _reported_fingerprint: contextvars.ContextVar[str] = contextvars.ContextVar(
     "reported_fingerprint", default=""
 )

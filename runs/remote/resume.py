@@ -4,16 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from runs.gate import GateView, get_gate
 from runs.models import Question, Run, Signal, Step, ToolCall
 from runs.remote.manifest import short_tool_name
 
 
-def _call_data(run: Run, call: ToolCall) -> dict[str, Any]:
-    approval = None
-    approvals = getattr(call, "approvals", None)
-    if approvals is not None:
-        live = [a for a in approvals.all() if a.status in ("pending", "approved")]
-        approval = live[-1].id if live else None
+def _call_data(run: Run, call: ToolCall, approvals: list[GateView]) -> dict[str, Any]:
+    live = [approval.id for approval in approvals if approval.live]
+    approval = live[-1] if live else None
     return {
         "id": call.id,
         "step_seq": call.step.seq,
@@ -86,10 +84,10 @@ def resume_packet(run: Run) -> dict[str, Any]:
     calls = list(
         ToolCall.objects.filter(run_id=run.id, status__in=ToolCall.OPEN)
         .select_related("step")
-        .prefetch_related("approvals")
         .order_by("step__seq")
     )
-    open_calls = [_call_data(run, call) for call in calls]
+    approvals = get_gate().approvals_of(call.id for call in calls) if calls else {}
+    open_calls = [_call_data(run, call, approvals.get(call.id, [])) for call in calls]
     return {
         "run": str(run.id),
         "agent": run.agent_name,

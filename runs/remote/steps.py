@@ -18,8 +18,8 @@ from runs.remote.lease import (
     RemoteLease,
     _check_budget,
     _held,
-    _honour_request,
     _require_remote,
+    honour_request,
     lease_holder_check,
 )
 from runs.services import InvalidInput, InvalidState
@@ -85,7 +85,7 @@ def remote_step_record(
         if replayed is not None:
             return StepRecorded(replayed, True)
     lease = _held(run_id, fence, actor, lease_token)
-    _honour_request(lease)
+    honour_request(lease)
     if lease.open_step() is not None:
         raise InvalidState("a tool call step is still open: record its receipt first")
     seq = _next_seq(lease, seq)
@@ -127,12 +127,12 @@ def remote_run_finish(
     if status == Run.Status.FAILED and not (reason or "").strip():
         raise InvalidInput("a failed run needs a reason")
     lease = _held(run_id, fence, actor, lease_token)
-    _honour_request(lease)
+    honour_request(lease)
     if lease.open_step() is not None:
         raise InvalidState("a tool call step is still open: record its receipt first")
     seq = (lease.steps[-1].seq + 1) if lease.steps else 1
     if status == Run.Status.SUCCEEDED:
-        engine._finish(lease, status, result=result, seq=seq)
+        engine.finish(lease, status, result=result, seq=seq)
     else:
-        engine._finish(lease, status, reason=Run.Reason.AGENT_FAILED, detail=reason, seq=seq)
+        engine.finish(lease, status, reason=Run.Reason.AGENT_FAILED, detail=reason, seq=seq)
     return Run.objects.get(id=run_id)

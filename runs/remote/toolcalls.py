@@ -15,6 +15,7 @@ from django.db.models.functions import Now
 from runs import engine
 from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
+from runs.gate import get_gate
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.record import transitions
 from runs.record.checkpoint import LeaseLost
@@ -23,10 +24,10 @@ from runs.remote.lease import (
     RemoteLease,
     _check_budget,
     _held,
-    _honour_request,
     _needs_person,
     _prove_holder,
     holder_conditions,
+    honour_request,
     lease_holder_check,
 )
 from runs.remote.manifest import SEP, _reported_fingerprint
@@ -100,8 +101,12 @@ def _proposal(run_id: Any, step: Step, call: ToolCall | None, *, replayed: bool)
     if call is None:
         return Proposal("refused", step, None, None, step.error, replayed)
     if call.status == ToolCall.Status.AWAITING_APPROVAL:
-        approval = call.approvals.filter(status="pending").order_by("-id").first()
-        approval_id = approval.id if approval else None
+        pending = [
+            a.id
+            for a in get_gate().approvals_of([call.id]).get(call.id, [])
+            if a.state == "pending"
+        ]
+        approval_id = pending[-1] if pending else None
         return Proposal("awaiting_approval", step, call, approval_id, "", replayed)
     if Run.objects.filter(id=run_id, status=Run.Status.PAUSED).exists():
         return Proposal("paused", step, call, None, "the principal may not use this tool", replayed)
@@ -185,14 +190,14 @@ def remote_toolcall_propose(
         )
         if replayed is not None:
             return replayed
-    _honour_request(lease)
+    honour_request(lease)
     if lease.open_step() is not None:
         raise InvalidState("a tool call is still open: record its receipt before the next one")
     _check_budget(lease)
     seq = (lease.steps[-1].seq + 1) if lease.steps else 1
     token = _reported_fingerprint.set(precondition or "")
     try:
-        engine._decide_call(
+        engine.decide_call(
             lease, CallTool(f"{lease.run.agent_name}{SEP}{tool}", arguments), seq, execute=False
         )
     finally:
@@ -253,7 +258,7 @@ def _check_redispatch(lease: RemoteLease, call: ToolCall, tool: Tool) -> None:
     has passed (database time)."""
     if tool.effect == Effect.READ or (tool.honours_key and tool.reconcile is None):
         return
-    landing = engine._can_land_until(lease, call, tool)
+    landing = engine.can_land_until(lease, call, tool)
     if tool.reconcile is not None:
         if not _absent_accepted(call, tool, landing):
             raise ReconcileRequired(
@@ -282,7 +287,7 @@ def _check_redispatch(lease: RemoteLease, call: ToolCall, tool: Tool) -> None:
 def remote_toolcall_dispatch(
     *, tool_call_id: Any, fence: int, lease_token: str, actor: Actor, precondition: str = ""
 ) -> Dispatch:
-    """``dispatching`` through the engine's own ``_dispatch``: attempt incremented, the
+    """``dispatching`` through the engine's own ``dispatch``: attempt incremented, the
     approval consumed, the precondition re-checked, in one commit before the side effect;
     the dispatch's ``send_deadline`` and ``landing_deadline`` computed in database time by
     that commit. ``go`` is false when the engine refused (approval needed again,
@@ -294,7 +299,7 @@ def remote_toolcall_dispatch(
     repeat waits for the first to commit and then reads what it recorded. An unknown outcome
     is dispatched again only as ``_check_redispatch`` allows."""
     lease, call = _call_for_lease(tool_call_id, fence, actor, lease_token)
-    _honour_request(lease)
+    honour_request(lease)
     step = lease.open_step()
     if step is None or step.id != call.step_id:
         raise InvalidState(f"the call is {call.status}; it is not the run's open step")
@@ -311,8 +316,8 @@ def remote_toolcall_dispatch(
             # settled (a receipt, a rejection): before any compatibility check, which must
             # never fail a call that settled
             raise InvalidState(f"the call is {call.status}; it cannot be dispatched")
-        if not engine._tool_accepts(lease, step, call, tool):
-            engine._tool_changed(lease, step, call, tool)
+        if not engine.tool_accepts(lease, step, call, tool):
+            engine.tool_changed(lease, step, call, tool)
             call.refresh_from_db()
             return Dispatch(False, call, "the tool changed since the call was proposed")
         if call.status == ToolCall.Status.UNKNOWN:
@@ -321,7 +326,7 @@ def remote_toolcall_dispatch(
             raise InvalidState(f"the call is {call.status}; it cannot be dispatched")
         token = _reported_fingerprint.set(precondition or "")
         try:
-            engine._dispatch(lease, step, call, tool, execute=False)
+            engine.dispatch(lease, step, call, tool, execute=False)
         finally:
             _reported_fingerprint.reset(token)
     call.refresh_from_db()
@@ -446,7 +451,7 @@ def remote_toolcall_lookup_begin(
         landing = None
         if not honours_key:
             landing = (
-                engine._can_land_until(lease, call, tool)
+                engine.can_land_until(lease, call, tool)
                 if tool is not None
                 else call.landing_deadline
             )
@@ -530,10 +535,10 @@ def remote_toolcall_receipt(
             detail = str(result or "outcome unknown")
             if outcome == "not_sent":
                 detail = f"not sent (the agent's report of attempt {call.attempt_count}): {detail}"
-            engine._mark_unknown(lease, call, detail[:2000])
+            engine.mark_unknown(lease, call, detail[:2000])
             tool = _tool_of(call)
             if tool is not None and _needs_person(tool):
-                engine._park_needs_attention(
+                engine.park_needs_attention(
                     lease,
                     Run.Reason.UNKNOWN_OUTCOME,
                     f"{call.tool_name} ({call.effect}) may or may not have acted: "
@@ -557,15 +562,15 @@ def remote_toolcall_receipt(
                 outcome="found" if ok else "failed",
                 lookup=lookup,
             )
-        engine._record_receipt(
+        engine.record_receipt(
             cp, lease, call, ok=ok, result=result, external_ref=external_ref, source=source
         )
-        engine._complete_step(
+        engine.complete_step(
             cp, lease, step, call, ok, result if ok else None, "" if ok else str(result)[:2000]
         )
         if state is not None:
             cp.update(state=state, state_version=F("state_version") + 1)
-    engine._honour_request(lease)
+    engine.honour_request(lease)
     call.refresh_from_db()
     return call
 
@@ -586,7 +591,7 @@ def _record_absent(lease: RemoteLease, call: ToolCall, lookup: int) -> ToolCall:
     tool = _tool_of(call)
     honours_key = tool is not None and tool.honours_key
     landing = (
-        engine._can_land_until(lease, call, tool) if tool is not None else call.landing_deadline
+        engine.can_land_until(lease, call, tool) if tool is not None else call.landing_deadline
     )
     started = call.lookup_started_at
     if not honours_key and (started is None or landing is None or started < landing):
@@ -602,7 +607,7 @@ def _record_absent(lease: RemoteLease, call: ToolCall, lookup: int) -> ToolCall:
             cp, call, lookup=lookup, started_at=started.isoformat() if started else None
         )
     if tool is not None and tool.resend == Resend.PERSON and not call.redispatch_authorized:
-        engine._park_needs_attention(
+        engine.park_needs_attention(
             lease,
             Run.Reason.UNKNOWN_OUTCOME,
             f"{call.tool_name}: the lookup found nothing under key {call.idempotency_key}; "

@@ -21,8 +21,8 @@ from runs.registry import Agent, AskQuestion, Sleep, UnknownAgent, WaitForSignal
 from runs.remote.lease import (
     _check_budget,
     _held,
-    _honour_request,
     _require_remote,
+    honour_request,
     lease_holder_check,
 )
 from runs.remote.resume import wait_outcomes
@@ -74,7 +74,7 @@ def remote_wait_begin(
     action: WaitForSignal | Sleep | AskQuestion,
     seq: int | None = None,
 ) -> WaitBegun:
-    """A remote agent's durable wait, through the engine's own ``_decide_wait``: the wait
+    """A remote agent's durable wait, through the engine's own ``decide_wait``: the wait
     step (``decided``), its question (emailed after the commit), and — unless the wait can
     end at once — ``run.waiting`` with the run parked in ``waiting_event``, ``wake_at`` set
     and the lease released, all in one commit. A signal that arrived before the wait began,
@@ -100,12 +100,12 @@ def remote_wait_begin(
     lease = _held(run_id, fence, actor, lease_token)
     if isinstance(action, AskQuestion):
         actor.require_question_to(lease.run.agent_name, action.group)
-    _honour_request(lease)
+    honour_request(lease)
     if lease.open_step() is not None:
         raise InvalidState("a tool call is still open: record its receipt before waiting")
     seq = _next_seq(lease, seq)
     _check_budget(lease)
-    engine._decide_wait(lease, action, seq)
+    engine.decide_wait(lease, action, seq)
     return _wait_begun(lease.steps[-1], replayed=False)
 
 

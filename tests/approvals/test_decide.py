@@ -15,6 +15,7 @@ from approvals.services import AlreadyDecided, ApprovalExpired, approval_decide
 from runs import engine
 from runs.actors import Actor, PermissionDenied
 from runs.gate import GateRefused, get_gate
+from runs.gate import GateView as gate_view
 from runs.models import Run, RunEvent, ToolCall
 from runs.registry import ApprovalPolicy, CallTool, Effect, Finish, registry
 from runs.services import run_create
@@ -398,3 +399,21 @@ def test_approved_call_resent_after_an_absent_lookup_uses_the_same_approval(
     assert len(refunds(sandbox)) == 1
     assert Approval.objects.filter(run=run).count() == 1
     assert len(events(run.id, "approval.consumed")) == 1
+
+
+@pytest.mark.django_db
+def test_runs_asks_the_gate_what_became_of_a_calls_approval(sandbox, system_actor, approver):
+    """``runs`` never reads approvals' tables: the gate says, per call, each approval's id
+    and state — pending, approved (not yet used), then consumed by the dispatch."""
+    run = _large_refund(system_actor)
+    approval = Approval.objects.get(run=run)
+    call = approval.tool_call
+    gate = get_gate()
+    assert gate.approvals_of([call.id]) == {call.id: [gate_view(approval.id, "pending")]}
+    _decide(approval, approver)
+    assert [v.state for v in gate.approvals_of([call.id])[call.id]] == ["approved"]
+    assert gate.approvals_of([call.id])[call.id][0].live
+    drive(run.id)
+    (view,) = gate.approvals_of([call.id])[call.id]
+    assert (view.id, view.state, view.live) == (approval.id, "consumed", False)
+    assert gate.approvals_of([]) == {}

@@ -76,7 +76,7 @@ def _worker(name: str, *, heartbeat_ago: float = 0, health: str = Worker.Health.
 
 
 def _park(run: Run, reason: str = Run.Reason.RECOVERY_LIMIT, detail: str = "recovered 11 times"):
-    """What the engine does when a run needs a person (engine._park_needs_attention)."""
+    """What the engine does when a run needs a person (engine.park_needs_attention)."""
     with checkpoint(run.id, actor="worker:w-1", channel="worker") as cp:
         cp.event("run.needs_attention", reason=reason, detail=detail)
         cp.update(status=Run.Status.NEEDS_ATTENTION, reason_code=reason, reason_detail=detail)

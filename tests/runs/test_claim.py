@@ -204,7 +204,7 @@ def test_a_holder_past_its_lease_writes_nothing_after_an_operator_ended_the_run(
             cp.event("run.note", text="from the past")
             cp.update(steps_used=7)
     with pytest.raises(LeaseLost), transaction.atomic():
-        engine._advance_once(holder)
+        engine.advance_once(holder)
 
     run.refresh_from_db()
     assert (run.status, run.steps_used) == (ended.status, 0)
@@ -230,7 +230,7 @@ def test_zombie_cannot_advance_a_run_another_worker_claimed(register, system_act
     engine.claim(run.id, worker="w2")
 
     with pytest.raises(LeaseLost), transaction.atomic():
-        engine._advance_once(zombie)
+        engine.advance_once(zombie)
 
     assert body.calls == []  # the zombie's decision never reached the tool
     assert not Step.objects.filter(run=run).exists()
@@ -246,7 +246,7 @@ def test_a_zombies_free_read_records_nothing(agent, system_actor):
     engine.claim(run.id, worker="w2")
 
     with pytest.raises(LeaseLost), transaction.atomic():
-        engine._advance_once(zombie)
+        engine.advance_once(zombie)
 
     assert not Step.objects.filter(run=run).exists()
     assert not RunEvent.objects.filter(run=run, incarnation=1).exclude(type="run.claimed").exists()

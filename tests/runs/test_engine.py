@@ -288,10 +288,10 @@ def test_one_read_step_stays_within_its_query_budget(
 ):
     run = run_create(agent_name="reader", input={"reads": 3}, actor=system_actor)
     lease = engine.claim(run.id, worker="w1")
-    engine._advance_once(lease)  # a step with history behind it, not the first
+    engine.advance_once(lease)  # a step with history behind it, not the first
 
     with django_assert_max_num_queries(READ_STEP_MAX_QUERIES) as captured:
-        assert engine._advance_once(lease) == engine.Outcome.CONTINUE
+        assert engine.advance_once(lease) == engine.Outcome.CONTINUE
 
     print(f"\nqueries for one read-tool step: {len(captured)}")
     assert len(reader.calls) == 2

@@ -107,8 +107,8 @@ def test_without_a_migration_path_the_run_waits_and_can_be_forked_onto_the_new_v
     register(make_tool("versioned_read", body), old)
     run = run_create(agent_name="forkable", actor=system_actor, max_steps=10)
     lease = engine.claim(run.id, worker="w1")
-    engine._advance_once(lease)  # step 1 done under version 1
-    engine._release(lease)
+    engine.advance_once(lease)  # step 1 done under version 1
+    engine.release(lease)
 
     new = ScriptedAgent("forkable", decide, tools=("versioned_read",), version="2")
     new.apply = lambda state, step: {**state, "seen": state.get("seen", 0) + 1}

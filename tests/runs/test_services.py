@@ -215,7 +215,7 @@ def test_terminate_request_does_not_change_a_leased_run_until_the_holder_acts(
     assert run.status == Run.Status.RUNNING
     assert (run.fence, run.lease_owner) == (lease.fence, "w1")
     assert run.requested_action == Run.Request.TERMINATE
-    assert engine._drive(lease) == "parked"
+    assert engine.drive(lease) == "parked"
     run.refresh_from_db()
     assert run.status == Run.Status.TERMINATED
     assert refund_posts(sandbox) == []
