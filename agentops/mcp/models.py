@@ -11,6 +11,29 @@ from django.db.models import Q
 from runs.models import Run, ToolCall
 
 
+class GatewaySession(models.Model):
+    """Which run a principal's calls go into when the client names none: one per session of
+    the MCP transport, or per token when the protocol has no session. Unique, so two gateway
+    processes taking the first call of a session at once agree on one run."""
+
+    principal = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="gateway_sessions"
+    )
+    session_key = models.CharField(max_length=200)
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="gateway_sessions")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["principal", "session_key"], name="gatewaysession_principal_key"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.session_key} → {self.run_id}"
+
+
 class GatewayCall(models.Model):
     """One MCP ``tools/call`` the gateway recorded. The gateway agent turns the ``position``-th
     of its run into the run's ``position``-th tool-call step (``agentops.mcp.gateway``), so

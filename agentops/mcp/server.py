@@ -85,10 +85,6 @@ async def list_tools(ctx: Any, params: Any) -> types.ListToolsResult:
     return types.ListToolsResult(tools=[_tool_entry(tool) for tool in tools])
 
 
-# one run per session: two first calls of one session at once must not start two runs
-_session_locks: dict[tuple[int, str], asyncio.Lock] = {}
-
-
 def _error(code: str, message: str, **extra: Any) -> types.CallToolResult:
     body = {"status": "error", "code": code, "detail": message, **extra}
     return types.CallToolResult(
@@ -133,17 +129,15 @@ async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.Call
     run_id = meta.get(META_RUN) or headers.get(RUN_HEADER) or ""
     # the transport's session when it has one; the modern protocol has none: the token
     session = headers.get("mcp-session-id") or f"token:{token.id}"
-    lock = _session_locks.setdefault((token.id, session), asyncio.Lock())
     try:
-        async with lock:
-            call = await _db(services.gateway_call_record)(
-                token=token,
-                tool_name=params.name,
-                arguments=dict(params.arguments or {}),
-                client_key=str(client_key) if client_key else "",
-                run_id=str(run_id),
-                session=session,
-            )
+        call = await _db(services.gateway_call_record)(
+            token=token,
+            tool_name=params.name,
+            arguments=dict(params.arguments or {}),
+            client_key=str(client_key) if client_key else "",
+            run_id=str(run_id),
+            session=session,
+        )
     except PermissionDenied as exc:
         return _error(getattr(exc, "code", "permission_denied"), str(exc))
     except (InvalidInput, InvalidState) as exc:

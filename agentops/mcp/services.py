@@ -12,7 +12,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import Max
 
 from agentops.mcp.gateway import AGENT_NAME, SIGNAL, exposed_tools
-from agentops.mcp.models import GatewayCall
+from agentops.mcp.models import GatewayCall, GatewaySession
 from runs.actors import DRIVE_REMOTE_RUN, Actor, PermissionDenied
 from runs.models import ApiToken, Run, Step
 from runs.record.checkpoint import checkpoint
@@ -21,6 +21,8 @@ from runs.services import InvalidInput, InvalidState, run_create
 from runs.waits import run_signal
 
 CLIENT_KEY_MAX = 200
+# a session is bound to a run by whichever request gets there first; losers re-read
+SESSION_BIND_ATTEMPTS = 5
 
 
 class ToolNotOffered(PermissionDenied):
@@ -166,22 +168,39 @@ def _run_for(token: ApiToken, *, run_id: str, session: str) -> Run:
         if run.status in Run.TERMINAL:
             raise InvalidState(f"the run is {run.status}: start another (leave out the run id)")
         return run
-    live = (
-        runs.filter(input__session=session)
-        .exclude(status__in=Run.TERMINAL)
-        .order_by("-created_at")
-        .first()
-    )
-    if live is not None:
-        return live
-    return run_create(
-        agent_name=AGENT_NAME,
-        goal=f"MCP calls of {user.get_username()}",
-        input={"session": session},
-        actor=gateway_actor(token),
-        principal=user,
-        max_steps=settings.AGENTOPS_MCP["MAX_STEPS"],
-    )
+    for _attempt in range(SESSION_BIND_ATTEMPTS):
+        bound = GatewaySession.objects.filter(principal=user, session_key=session).first()
+        if bound is not None:
+            live = runs.filter(id=bound.run_id).exclude(status__in=Run.TERMINAL).first()
+            if live is not None:
+                return live
+        try:
+            # the run and its binding commit together: a concurrent first call of the same
+            # session (another gateway process) that binds first makes this one roll back,
+            # run and all (its wake-up is sent on commit only), and use that run
+            with transaction.atomic():
+                run = run_create(
+                    agent_name=AGENT_NAME,
+                    goal=f"MCP calls of {user.get_username()}",
+                    input={"session": session},
+                    actor=gateway_actor(token),
+                    principal=user,
+                    max_steps=settings.AGENTOPS_MCP["MAX_STEPS"],
+                )
+                if bound is None:
+                    GatewaySession.objects.create(principal=user, session_key=session, run=run)
+                elif not GatewaySession.objects.filter(id=bound.id, run_id=bound.run_id).update(
+                    run=run
+                ):
+                    raise _Rebound
+            return run
+        except (IntegrityError, _Rebound):
+            continue
+    raise InvalidState("the session's run kept changing under this call: call again")
+
+
+class _Rebound(Exception):
+    """Another request bound the session to a new run first."""
 
 
 def _record(
