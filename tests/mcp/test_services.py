@@ -3,6 +3,8 @@ again, who may call what, and the ``mcp-gateway`` agent driven by the real engin
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from agentops.mcp import selectors, services
@@ -156,3 +158,22 @@ def test_a_run_id_names_only_a_live_gateway_run_of_the_principal(sandbox, token,
     for run_id in (str(other_run.id), "not-a-uuid"):
         with pytest.raises(services.RunNotFound):
             record(token, arguments={"order_id": "ord_1003"}, run_id=run_id)
+
+
+def test_an_idle_gateway_run_finishes_and_the_next_call_starts_another(
+    sandbox, token, settings, monkeypatch
+):
+    monkeypatch.setitem(settings.AGENTOPS_MCP, "IDLE_SECONDS", 0.05)
+    first = record(token)
+    drive(first.run_id)
+    time.sleep(0.1)
+    finished = drive(first.run_id)
+    assert finished.status == Run.Status.SUCCEEDED
+    assert finished.result == {"calls": 1}
+
+    later = record(token)
+    assert later.run_id != first.run_id
+    drive(later.run_id)
+    assert outcome(later).status == selectors.SUCCEEDED
+    # the finished run's call still answers its own outcome
+    assert outcome(first).status == selectors.SUCCEEDED
