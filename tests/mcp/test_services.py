@@ -177,3 +177,19 @@ def test_an_idle_gateway_run_finishes_and_the_next_call_starts_another(
     assert outcome(later).status == selectors.SUCCEEDED
     # the finished run's call still answers its own outcome
     assert outcome(first).status == selectors.SUCCEEDED
+
+
+def test_a_rejected_approval_answers_failed_and_nothing_is_sent(sandbox, token, approver):
+    call = record(token, "refund_payment", LARGE, client_key="big")
+    drive(call.run_id)
+    approval_decide(
+        approval_id=Approval.objects.get().id,
+        decision="reject",
+        actor=Actor.for_user(approver, "web"),
+    )
+    drive(call.run_id)
+    answer = outcome(record(token, "refund_payment", LARGE, client_key="big"))
+    assert answer.status == selectors.FAILED and "rejected" in answer.error
+    assert refund_posts(sandbox) == []
+    # the run goes on taking calls
+    assert Run.objects.get(id=call.run_id).status == Run.Status.WAITING_EVENT
