@@ -529,6 +529,10 @@ AGENTOPS_MCP = {
     "MAX_STEPS": env_int("AGENTOPS_MCP_MAX_STEPS", 10_000),
     # the registered tools the gateway offers (empty: all); a tool's allowed_groups still apply
     "TOOLS": env_list("AGENTOPS_MCP_TOOLS", []),
+    # tools proxied from upstream MCP servers, with their declared effect class and approval
+    # policy (JSON, docs/mcp.md; checked when the apps load); every process must be started
+    # with the same value
+    "UPSTREAMS": env_str("AGENTOPS_MCP_UPSTREAMS", ""),
 }
 if AGENTOPS_MCP["HOLD_SECONDS"] <= 0 or AGENTOPS_MCP["HOLD_SECONDS"] > 55:
     raise ImproperlyConfigured("AGENTOPS_MCP_HOLD_SECONDS must be more than 0 and at most 55")

@@ -8,6 +8,9 @@ class McpConfig(AppConfig):
     default_auto_field = "django.db.models.BigAutoField"
 
     def ready(self) -> None:
-        from agentops.mcp import gateway
+        from django.conf import settings
 
+        from agentops.mcp import gateway, upstream
+
+        upstream.register(upstream.parse(settings.AGENTOPS_MCP["UPSTREAMS"]))
         gateway.register()

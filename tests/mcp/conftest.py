@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from contextlib import suppress
 from pathlib import Path
@@ -73,8 +75,8 @@ def mcp_server(tmp_path, sandbox):
     started: list[McpProcess] = []
 
     class Starter:
-        def start(self) -> McpProcess:
-            env = worker_env(sandbox, AGENTOPS_MCP_HOLD_SECONDS=HOLD_SECONDS)
+        def start(self, **env_overrides: str) -> McpProcess:
+            env = worker_env(sandbox, AGENTOPS_MCP_HOLD_SECONDS=HOLD_SECONDS, **env_overrides)
             process = McpProcess(tmp_path / "runmcp.log", env)
             started.append(process)
             return process
@@ -82,6 +84,90 @@ def mcp_server(tmp_path, sandbox):
     yield Starter()
     for process in started:
         process.kill()
+
+
+class UpstreamServer:
+    """An MCP server of someone else's tools, in a thread of the test process: ``add_note``
+    writes to its own ledger (with the ``_meta`` key it was given), ``broken`` always fails."""
+
+    def __init__(self) -> None:
+        import mcp_types as types
+        import uvicorn
+        from mcp.server.lowlevel import Server
+
+        self.ledger: list[dict[str, Any]] = []
+
+        async def list_tools(ctx, params):
+            return types.ListToolsResult(
+                tools=[
+                    types.Tool(name="add_note", input_schema={"type": "object"}),
+                    types.Tool(name="broken", input_schema={"type": "object"}),
+                ]
+            )
+
+        async def call_tool(ctx, params):
+            if params.name == "broken":
+                return types.CallToolResult(
+                    content=[types.TextContent(type="text", text="disk full")], is_error=True
+                )
+            meta = params.meta or ctx.meta or {}
+            self.ledger.append(
+                {"text": (params.arguments or {}).get("text"), "key": meta.get(UPSTREAM_KEY)}
+            )
+            note = len(self.ledger)
+            return types.CallToolResult(
+                content=[types.TextContent(type="text", text=f"note {note}")],
+                structured_content={"note": note},
+            )
+
+        server = Server("upstream", on_list_tools=list_tools, on_call_tool=call_tool)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/mcp/"
+        app = server.streamable_http_app(streamable_http_path="/mcp/")
+        self.server = uvicorn.Server(
+            uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning")
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        end = time.monotonic() + 10
+        while not self.server.started:
+            assert time.monotonic() < end, "the upstream MCP server did not start"
+            time.sleep(0.02)
+
+    def config(self, **tool: Any) -> dict[str, Any]:
+        spec = {"effect": "unsafe", "schema": NOTE_SCHEMA, **tool}
+        return {
+            "notes": {
+                "url": self.url,
+                "timeout": 3,
+                "tools": {"add_note": spec, "broken": {"effect": "unsafe"}},
+            }
+        }
+
+    def tools_for_test(self, **tool: Any) -> list[Any]:
+        from agentops.mcp.upstream import parse, tools_from
+
+        return tools_from(parse(json.dumps(self.config(**tool))))
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+UPSTREAM_KEY = "agentops/idempotency_key"
+NOTE_SCHEMA = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "maxLength": 200}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture
+def upstream():
+    started = UpstreamServer()
+    yield started
+    started.stop()
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ own ledger and the run's timeline say happened."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -17,7 +18,7 @@ from agentops.mcp.gateway import AGENT_NAME
 from agentops.mcp.models import GatewayCall
 from approvals.models import Approval
 from runs.models import Run, ToolCall, ToolReceipt
-from tests.mcp.conftest import run_client, token_of
+from tests.mcp.conftest import NOTE_SCHEMA, run_client, token_of
 from tests.runs.workerprocs import worker_env
 from tests.support import event_types, refund_posts, refunds
 
@@ -161,3 +162,31 @@ def test_tokens_other_than_an_agents_are_refused(mcp_server, agent_account, oper
             run_client(mcp.url, token, listing)
     assert not Run.objects.exists()
     assert not GatewayCall.objects.exists()
+
+
+def test_a_tool_of_an_upstream_mcp_server_through_the_gateway(
+    mcp_server, worker_procs, sandbox, agent_account, upstream
+):
+    """agentops between an MCP client and someone else's MCP tools: the client calls the
+    gateway, a worker calls the upstream once, with the call's key."""
+    config = json.dumps(upstream.config())
+    token = token_of(agent_account, "mcp-client")
+    worker = worker_procs.start("w1", worker_env(sandbox, AGENTOPS_MCP_UPSTREAMS=config))
+    worker.wait_running()
+    mcp = mcp_server.start(AGENTOPS_MCP_UPSTREAMS=config)
+
+    async def listing(client):
+        return await client.list_tools()
+
+    tools = {tool.name: tool for tool in run_client(mcp.url, token, listing).tools}
+    assert tools["notes.add_note"].input_schema == NOTE_SCHEMA
+    done = call_until_final(mcp.url, token, "notes.add_note", {"text": "hi"}, key="note-1")
+    assert done.structured_content.get("result") == {"note": 1}, (
+        done.structured_content,
+        list(ToolCall.objects.values("status", "last_error")),
+        worker.output(),
+    )
+    again = call(mcp.url, token, "notes.add_note", {"text": "hi"}, key="note-1")
+    assert again.structured_content["result"] == {"note": 1}
+    made = ToolCall.objects.get(tool_name="notes.add_note")
+    assert upstream.ledger == [{"text": "hi", "key": made.idempotency_key}]
