@@ -24,6 +24,7 @@ from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
 from mcp.server.lowlevel import Server
+from mcp.server.transport_security import TransportSecuritySettings
 
 from agentops.mcp import selectors, services
 from runs.actors import PermissionDenied
@@ -222,9 +223,32 @@ class TokenRequired:
         await self.app(scope, receive, send)
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "[::1]")
+
+
+def transport_security() -> TransportSecuritySettings:
+    """The SDK's DNS-rebinding check (``Host`` and ``Origin``): loopback, and the host names
+    of Django's ``ALLOWED_HOSTS`` — a proxy in front forwards the site's own ``Host``. A
+    ``*`` there turns the check off, as it does for the web process."""
+    names = [host for host in settings.ALLOWED_HOSTS if host and not host.startswith(".")]
+    if "*" in names:
+        return TransportSecuritySettings(enable_dns_rebinding_protection=False)
+    hosts = [*LOOPBACK, *names]
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True,
+        allowed_hosts=[pattern for host in hosts for pattern in (host, f"{host}:*")],
+        allowed_origins=[
+            origin
+            for host in hosts
+            for scheme in ("http", "https")
+            for origin in (f"{scheme}://{host}", f"{scheme}://{host}:*")
+        ],
+    )
+
+
 def build_app() -> Any:
     server = build_server()
     app = server.streamable_http_app(
-        streamable_http_path=MCP_PATH, host=settings.AGENTOPS_MCP["HOST"]
+        streamable_http_path=MCP_PATH, transport_security=transport_security()
     )
     return TokenRequired(app)

@@ -154,6 +154,23 @@ def test_tokens_other_than_an_agents_are_refused(mcp_server, agent_account, oper
     )
     assert wrong_role.status_code == 403
 
+    # a proxy in front forwards the site's own Host (one of ALLOWED_HOSTS); any other is
+    # refused by the SDK's DNS-rebinding check, whatever the token
+    agent_token = token_of(agent_account, "mcp-client")
+    initialize = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+    for host, refused in (("testserver", False), ("evil.example:80", True)):
+        response = httpx.post(
+            mcp.url,
+            json=initialize,
+            headers={
+                "Authorization": f"Bearer {agent_token}",
+                "Host": host,
+                "Accept": "application/json, text/event-stream",
+            },
+            timeout=5,
+        )
+        assert (response.status_code == 421) == refused, (host, response.status_code)
+
     async def listing(client):
         return await client.list_tools()
 
