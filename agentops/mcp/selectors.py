@@ -22,6 +22,9 @@ class Outcome:
     result: Any = None
     error: str = ""
     handle: dict[str, Any] = field(default_factory=dict)
+    # the engine's call this recorded call became, when the record does not say so yet
+    # (``services.gateway_call_link``)
+    unlinked_tool_call: int | None = None
 
     @property
     def final(self) -> bool:
@@ -30,6 +33,14 @@ class Outcome:
 
 def gateway_call_outcome(*, call_id: int) -> Outcome:
     call = GatewayCall.objects.select_related("run").get(id=call_id)
+    outcome = _outcome(call)
+    tool_call_id = outcome.handle.get("tool_call_id")
+    if call.tool_call_id is None and tool_call_id is not None:
+        outcome.unlinked_tool_call = int(tool_call_id)
+    return outcome
+
+
+def _outcome(call: GatewayCall) -> Outcome:
     handle: dict[str, Any] = {
         "run_id": str(call.run_id),
         "position": call.position,
@@ -58,9 +69,6 @@ def gateway_call_outcome(*, call_id: int) -> Outcome:
     if tool_call is None:
         # refused before anything happened (the engine's own checks)
         return Outcome(FAILED, error=step.error or "the call was refused", handle=handle)
-    if call.tool_call_id is None:
-        # a cache of what the position already determines
-        GatewayCall.objects.filter(id=call.id, tool_call__isnull=True).update(tool_call=tool_call)
     handle.update(
         tool_call_id=str(tool_call.id),
         call_key=tool_call.idempotency_key,

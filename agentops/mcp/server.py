@@ -150,6 +150,10 @@ async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.Call
     give_up_at = time.monotonic() + hold
     while True:
         outcome = await _db(selectors.gateway_call_outcome)(call_id=call.id)
+        if outcome.unlinked_tool_call is not None:
+            await _db(services.gateway_call_link)(
+                call_id=call.id, tool_call_id=outcome.unlinked_tool_call
+            )
         if outcome.final or time.monotonic() >= give_up_at:
             return _answer(outcome)
         await asyncio.sleep(poll)

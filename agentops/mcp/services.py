@@ -251,3 +251,9 @@ def _wake(token: ApiToken, call: GatewayCall) -> None:
         actor=gateway_actor(token),
         idempotency_key=f"mcp.call:{call.id}",
     )
+
+
+def gateway_call_link(*, call_id: int, tool_call_id: int) -> None:
+    """Note which engine call a recorded call became (its position already determines it:
+    this is for people reading the record, and for the ``gateway_call`` relation)."""
+    GatewayCall.objects.filter(id=call_id, tool_call__isnull=True).update(tool_call_id=tool_call_id)

@@ -94,6 +94,11 @@ def test_list_read_gated_approve_and_call_again(
     run = Run.objects.get(agent_name=AGENT_NAME)
     assert run.principal == agent_account
     assert GatewayCall.objects.filter(run=run).count() == 2
+    # each recorded call names the engine's call it became
+    assert set(GatewayCall.objects.values_list("tool_call__tool_name", flat=True)) == {
+        "lookup_order",
+        "refund_payment",
+    }
     types = event_types(run.id)
     assert types.count("mcp.call_received") == 2
     for expected in ("approval.requested", "approval.decided", "tool.succeeded"):
