@@ -68,8 +68,9 @@ class Command(BaseCommand):
         parser.add_argument(
             "--mcp-port",
             type=int,
-            default=8001,
-            help="MCP gateway port (streamable HTTP at /mcp/, docs/mcp.md); 0: no gateway",
+            default=settings.AGENTOPS_MCP["PORT"],
+            help="MCP gateway port (streamable HTTP at /mcp/, docs/mcp.md; default "
+            "AGENTOPS_MCP_PORT, 8001); 0: no gateway",
         )
         parser.add_argument("--worker-name", default="demo-1", help="the worker's identity")
         parser.add_argument("--no-seed", action="store_true", help="do not create demo runs")
