@@ -7,6 +7,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitVie
 
 from approvals import api as approvals_api
 from runs import api as runs_api
+from runs.api import questions as questions_api
 from runs.api import remote as remote_api
 
 v1 = [
@@ -68,6 +69,11 @@ v1 = [
         "tool-calls/<int:tool_call_id>/resolution/",
         runs_api.ToolCallResolutionApi.as_view(),
         name="tool-call-resolution",
+    ),
+    path(
+        "questions/<int:question_id>/answer/",
+        questions_api.QuestionAnswerApi.as_view(),
+        name="question-answer",
     ),
     path("approvals/", approvals_api.ApprovalListApi.as_view(), name="approvals"),
     path(

@@ -52,6 +52,8 @@ INSTALLED_APPS = [
     "runs",
     "approvals",
     "agentops.demo",
+    # after the demo: the gateway exposes the tools registered before it (docs/mcp.md)
+    "agentops.mcp",
 ]
 
 # Third-party agent apps (docs/agents.md, "Registering"): Django apps whose AppConfig.ready()
@@ -511,6 +513,29 @@ LOG_FORMAT = env_str("LOG_FORMAT", "human" if DEBUG else "json")
 if LOG_FORMAT not in ("json", "human"):
     raise ImproperlyConfigured(f"LOG_FORMAT={LOG_FORMAT!r}: use json or human")
 # --- LLM-backed agents (runs/llm.py): any OpenAI-compatible Chat Completions API ----------
+# --- the MCP gateway (docs/mcp.md): its own ASGI process, `manage.py runmcp` -----------------
+AGENTOPS_MCP = {
+    "HOST": env_str("AGENTOPS_MCP_HOST", "127.0.0.1"),
+    "PORT": env_int("AGENTOPS_MCP_PORT", 8001),
+    # how long a tools/call is held waiting for its outcome (an approval, a slow tool) before
+    # it answers "pending" with a handle: under common MCP clients' 60 s request timeout
+    "HOLD_SECONDS": env_float("AGENTOPS_MCP_HOLD_SECONDS", 55.0),
+    # how often a held call reads the record
+    "POLL_SECONDS": env_float("AGENTOPS_MCP_POLL_SECONDS", 0.25),
+    # a gateway run with no call for this long finishes; the next call starts a new run
+    "IDLE_SECONDS": env_float("AGENTOPS_MCP_IDLE_SECONDS", 24 * 3600.0),
+    # steps a gateway run may take (each call is one, each wake-up another)
+    "MAX_STEPS": env_int("AGENTOPS_MCP_MAX_STEPS", 10_000),
+    # the registered tools the gateway offers (empty: all); a tool's allowed_groups still apply
+    "TOOLS": env_list("AGENTOPS_MCP_TOOLS", []),
+    # tools proxied from upstream MCP servers, with their declared effect class and approval
+    # policy (JSON, docs/mcp.md; checked when the apps load); every process must be started
+    # with the same value
+    "UPSTREAMS": env_str("AGENTOPS_MCP_UPSTREAMS", ""),
+}
+if AGENTOPS_MCP["HOLD_SECONDS"] <= 0 or AGENTOPS_MCP["HOLD_SECONDS"] > 55:
+    raise ImproperlyConfigured("AGENTOPS_MCP_HOLD_SECONDS must be more than 0 and at most 55")
+
 AGENTOPS_LLM = {
     # e.g. https://api.openai.com/v1; empty: no LLM agent is registered by the demo
     "BASE_URL": env_str("AGENTOPS_LLM_BASE_URL", ""),

@@ -66,6 +66,8 @@ EVENT_TYPES = sorted(
         "run.terminated",
         "run.terminate_requested",
         "run.pruned",
+        # the MCP gateway (agentops/mcp): a client's tools/call recorded in its run
+        "mcp.call_received",
     }
 )
 
@@ -303,6 +305,9 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
             return f"{event_type.split('.')[1]}{reason}"
         case "run.signalled":
             return f"signal {p.get('name')!r} received from {actor}"
+        case "mcp.call_received":
+            key = f", client key {p['client_key']}" if p.get("client_key") else ""
+            return f"MCP call #{p.get('position')} → {p.get('tool')} received from {actor}{key}"
         case "question.asked":
             return f"question #{p.get('question_id')} asked of {p.get('group')}"
         case "question.answered":

@@ -104,6 +104,7 @@ def test_production_refuses_to_start_without_allowed_hosts(tmp_path):
         ("LOG_FORMAT", "xml", "LOG_FORMAT='xml': use json or human"),
         ("AGENTOPS_LLM_INPUT_PRICE", "cheap", "AGENTOPS_LLM_INPUT_PRICE='cheap' is not a decimal"),
         ("AGENTOPS_METRICS_ALLOWED_NETWORKS", "10.0.0.0/33", "AGENTOPS_METRICS_ALLOWED_NETWORKS"),
+        ("AGENTOPS_MCP_HOLD_SECONDS", "90", "AGENTOPS_MCP_HOLD_SECONDS must be more than 0"),
     ],
 )
 def test_a_bad_setting_stops_the_process_with_its_name(tmp_path, variable, value, message):
@@ -318,6 +319,10 @@ def test_procfile_runs_gunicorn_with_the_deploy_config_and_a_worker():
     assert "manage.py runworker" in processes["worker"]
     # no worker, no sweeper: something else must notice that no worker is alive
     assert "manage.py check_alerts --every" in processes["alerts"]
+    # held MCP calls wait in their own process, never in gunicorn's slots (docs/mcp.md)
+    assert "manage.py runmcp" in processes["mcp"]
+    unit = (BASE / "deploy" / "agentops-mcp.service").read_text()
+    assert "ExecStart=/srv/agentops/.venv/bin/python manage.py runmcp" in unit
 
 
 @pytest.mark.parametrize("unit", ["agentops-worker.service", "agentops-worker@.service"])

@@ -92,7 +92,18 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {
     # an idempotent retry returns the run it created the first time
     ("/api/v1/runs/", "post", "200"): run_links(ID, STEPS),
     ("/api/v1/runs/", "get", "200"): run_links(FIRST_RESULT, FIRST_STEPS),
-    ("/api/v1/runs/{run_id}/", "get", "200"): run_links(ID, STEPS, skip=("GetRun",)),
+    ("/api/v1/runs/{run_id}/", "get", "200"): {
+        **run_links(ID, STEPS, skip=("GetRun",)),
+        # a run waiting for a person's answer: a member of the asked group answers
+        "AnswerQuestion": link(
+            "v1_questions_answer_create", question_id="$response.body#/open_waits/0/question"
+        ),
+    },
+    ("/api/v1/runs/{run_id}/waits/", "post", "201"): {
+        "AnswerQuestion": link(
+            "v1_questions_answer_create", question_id="$response.body#/question"
+        ),
+    },
     ("/api/v1/runs/{run_id}/fork/", "post", "201"): run_links(ID, STEPS),
     ("/api/v1/runs/{run_id}/signals/", "post", "202"): {
         "GetSignalledRun": link("v1_runs_retrieve", run_id="$response.body#/run"),
@@ -174,6 +185,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "idempotency_key": "msg-8812",
     },
     "ApprovalDecisionInputRequest": {"decision": "approve", "comment": "Order checked."},
+    "QuestionAnswerInputRequest": {"answer": "pro"},
     "ResolutionInputRequest": {
         "outcome": "happened",
         "external_ref": "re_3Jx9",

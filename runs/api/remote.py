@@ -136,6 +136,15 @@ class ResumeCallSerializer(serializers.Serializer):
         allow_null=True,
         help_text="Unknown outcomes: only a lookup begun after it may report absent.",
     )
+    send_deadline = serializers.DateTimeField(
+        allow_null=True,
+        help_text="A dispatched call: no byte of the request may be sent after it.",
+    )
+    resend_after = serializers.DateTimeField(
+        allow_null=True,
+        help_text="A dispatching or unknown call: a lookup that reports it absent must begin "
+        "after this (its landing deadline); before, the request may still land.",
+    )
     lookups_begun = serializers.IntegerField()
     last_error = serializers.CharField(allow_blank=True)
     approval = serializers.IntegerField(allow_null=True)
@@ -167,6 +176,7 @@ class ResumeSerializer(serializers.Serializer):
     state = serializers.JSONField()
     state_version = serializers.IntegerField()
     recovery_count = serializers.IntegerField()
+    next_seq = serializers.IntegerField(help_text="The seq of the next step to write.")
     steps = ResumeStepSerializer(many=True, help_text="Finished steps, in order.")
     open_tool_calls = ResumeCallSerializer(many=True)
     unknown_outcomes = ResumeCallSerializer(

@@ -24,6 +24,16 @@ def _call_data(run: Run, call: ToolCall, approvals: list[GateView]) -> dict[str,
         "attempt_count": call.attempt_count,
         "dispatched_at": call.dispatched_at.isoformat() if call.dispatched_at else None,
         "landing_deadline": call.landing_deadline.isoformat() if call.landing_deadline else None,
+        # what a process that takes the call over acts on (issue 27): no byte of a request
+        # after the send deadline; a lookup that may report the call absent begins after
+        # ``resend_after`` (the landing deadline of a dispatched or unknown call)
+        "send_deadline": call.send_deadline.isoformat() if call.send_deadline else None,
+        "resend_after": (
+            call.landing_deadline.isoformat()
+            if call.landing_deadline
+            and call.status in (ToolCall.Status.DISPATCHING, ToolCall.Status.UNKNOWN)
+            else None
+        ),
         "lookups_begun": call.lookups_begun,
         "last_error": call.last_error,
         "approval": approval,
@@ -97,6 +107,8 @@ def resume_packet(run: Run) -> dict[str, Any]:
         "state": run.state,
         "state_version": run.state_version,
         "recovery_count": run.recovery_count,
+        # the seq of the next step this process writes (pending steps count: they hold theirs)
+        "next_seq": (steps[-1].seq + 1) if steps else 1,
         "steps": [
             {
                 "seq": step.seq,

@@ -35,6 +35,7 @@ ENDPOINTS = {
     ("/api/v1/approvals/", "get"),
     ("/api/v1/approvals/{approval_id}/", "get"),
     ("/api/v1/approvals/{approval_id}/decision/", "post"),
+    ("/api/v1/questions/{question_id}/answer/", "post"),
     ("/api/v1/agents/{name}/", "get"),
     ("/api/v1/agents/{name}/", "put"),
     ("/api/v1/runs/{run_id}/signals/", "post"),

@@ -35,6 +35,7 @@ class Demo:
         self.log_path = tmp_path / "rundemo.out"
         self.web_port = free_port()
         self.sandbox_port = free_port()
+        self.mcp_port = free_port()
         env = {
             **os.environ,
             "DATABASE_URL": f"sqlite:///{self.db_path}",
@@ -56,6 +57,8 @@ class Demo:
                     str(self.web_port),
                     "--sandbox-port",
                     str(self.sandbox_port),
+                    "--mcp-port",
+                    str(self.mcp_port),
                 ],
                 cwd=REPO,
                 env=env,
@@ -179,6 +182,7 @@ def test_demo_runs_succeed_and_one_ctrl_c_stops_everything(demo):
     assert left == [], f"still running after Ctrl-C: {left}"
     assert time.monotonic() - started < 10
     assert _port_free(demo.web_port) and _port_free(demo.sandbox_port)
+    assert _port_free(demo.mcp_port)
     # the worker stopped cleanly (released its identity) rather than being killed
     assert demo.worker_health() == ["stopped"]
     assert "stopped: web server, worker and sandbox" in demo.output()

@@ -2,7 +2,7 @@
 
 Migrates the database, creates the demo sign-in once, seeds demo runs when there are none,
 then runs the sandbox payments service, a worker and the web server together until Ctrl-C.
-If any of the three dies, the others are stopped and the command exits non-zero.
+If any of them dies, the others are stopped and the command exits non-zero.
 """
 
 from __future__ import annotations
@@ -65,24 +65,35 @@ class Command(BaseCommand):
         parser.add_argument(
             "--sandbox-port", type=int, default=8765, help="sandbox payments service port"
         )
+        parser.add_argument(
+            "--mcp-port",
+            type=int,
+            default=settings.AGENTOPS_MCP["PORT"],
+            help="MCP gateway port (streamable HTTP at /mcp/, docs/mcp.md; default "
+            "AGENTOPS_MCP_PORT, 8001); 0: no gateway",
+        )
         parser.add_argument("--worker-name", default="demo-1", help="the worker's identity")
         parser.add_argument("--no-seed", action="store_true", help="do not create demo runs")
         parser.add_argument(
             "--show-logs",
             action="store_true",
-            help="let the three processes write to this terminal instead of var/log/*.log",
+            help="let the processes write to this terminal instead of var/log/*.log",
         )
 
     def handle(self, *args, **options):
         port, sandbox_port = options["port"], options["sandbox_port"]
-        for name, value in (("--port", port), ("--sandbox-port", sandbox_port)):
+        mcp_port = options["mcp_port"]
+        ports = [("--port", port), ("--sandbox-port", sandbox_port)]
+        if mcp_port:
+            ports.append(("--mcp-port", mcp_port))
+        for name, value in ports:
             if not _port_free(value):
                 raise CommandError(
                     f"port {value} on {HOST} is in use (is an earlier `make run` still running?); "
                     f"choose another with {name}"
                 )
-        if port == sandbox_port:
-            raise CommandError("--port and --sandbox-port must differ")
+        if len({value for _, value in ports}) != len(ports):
+            raise CommandError("--port, --sandbox-port and --mcp-port must differ")
 
         login = self._prepare_database(seed=not options["no_seed"])
         supervisor = self._supervisor(sandbox_port, port)
@@ -175,6 +186,25 @@ class Command(BaseCommand):
         )
         if not self._wait_until(supervisor, f"http://{HOST}:{port}/accounts/login/"):
             return self._died_or_stopped(supervisor, web)
+        if options["mcp_port"]:
+            # its own process: held tools/call requests never take the web server's slots
+            gateway = supervisor.start(
+                Child(
+                    "mcp",
+                    [
+                        sys.executable,
+                        manage,
+                        "runmcp",
+                        "--host",
+                        HOST,
+                        "--port",
+                        str(options["mcp_port"]),
+                    ],
+                    log("mcp"),
+                )
+            )
+            if not self._wait_until(supervisor, port=options["mcp_port"]):
+                return self._died_or_stopped(supervisor, gateway)
 
         self._banner(supervisor, login, options, log_dir)
         watcher = _RunWatcher(self.stdout.write)
@@ -190,14 +220,16 @@ class Command(BaseCommand):
         self.stdout.write("stopping (Ctrl-C again to kill at once)…")
         return 0
 
-    def _wait_until(self, supervisor: Supervisor, url: str) -> bool:
-        """Until ``url`` answers 200; False when a child died, a stop was asked, or time ran
-        out."""
+    def _wait_until(
+        self, supervisor: Supervisor, url: str = "", *, port: int | None = None
+    ) -> bool:
+        """Until ``url`` answers 200 (or ``port`` accepts connections); False when a child
+        died, a stop was asked, or time ran out."""
         deadline = time.monotonic() + STARTUP_TIMEOUT
         while time.monotonic() < deadline:
             if supervisor.stop_requested or supervisor.first_dead() is not None:
                 return False
-            if _answers(url):
+            if (port is not None and not _port_free(port)) or (url and _answers(url)):
                 return True
             time.sleep(0.1)
         return False
@@ -259,9 +291,14 @@ class Command(BaseCommand):
             f"  email     {where_mail_goes}; emailed links open "
             + os.environ.get("AGENTOPS_BASE_URL", base_url(port)),
         ]
+        if options["mcp_port"]:
+            lines.append(
+                f"  mcp       http://{HOST}:{options['mcp_port']}/mcp/ (an agent-role token, "
+                "docs/mcp.md)"
+            )
         if log_dir is not None:
-            lines.append(f"  logs      {log_dir}/{{web,worker,sandbox}}.log")
-        lines += [f"  pids      {pids}", "Press Ctrl-C to stop all three.", ""]
+            lines.append(f"  logs      {log_dir}/{{web,worker,sandbox,mcp}}.log")
+        lines += [f"  pids      {pids}", "Press Ctrl-C to stop them all.", ""]
         self.stdout.write("\n".join(lines))
         self.stdout.flush()
 
