@@ -21,7 +21,7 @@ other code uses is imported from here, including the transitions ``runs.remote``
 from __future__ import annotations
 
 from runs.engine.claim import claim
-from runs.engine.continuing import settle_from_record, tool_accepts, tool_changed
+from runs.engine.continuing import open_call, settle_from_record, tool_accepts, tool_changed
 from runs.engine.deciding import continue_wait, decide_call, decide_wait, family_call
 from runs.engine.lease import (
     Lease,
@@ -39,6 +39,7 @@ from runs.engine.loop import (
     drive,
     honour_request,
     migrate_agent_version,
+    resume_checks,
     set_stop_check,
 )
 from runs.engine.toolcalls import (
@@ -76,6 +77,8 @@ __all__ = [
     "honour_request",
     "mark_unknown",
     "migrate_agent_version",
+    "open_call",
+    "resume_checks",
     "park_needs_attention",
     "pause_principal_revoked",
     "principal_refusal",

@@ -30,15 +30,9 @@ def _continue_step(lease: Lease, step: Step) -> str:
         fail_step(lease, step, f"cannot continue a {step.kind} step")
         return Outcome.CONTINUE
     call = ToolCall.objects.select_related("step").get(step=step)
-    if settle_from_record(lease, step, call):
-        return Outcome.CONTINUE
-    try:
-        tool = registry.tool(call.tool_name)
-    except UnknownTool:
-        tool = None
-    if not tool_accepts(lease, step, call, tool):
-        return tool_changed(lease, step, call, tool)
-
+    done, tool = open_call(lease, step, call)
+    if done is not None:
+        return done
     status = call.status
     if status in (ToolCall.Status.PROPOSED, ToolCall.Status.APPROVED):
         return dispatch(lease, step, call, tool)
@@ -56,6 +50,22 @@ def _continue_step(lease: Lease, step: Step) -> str:
         # waits out its landing deadline (DESIGN §9)
         return _reconcile(lease, step, call, tool, authorized=True)
     return _reconcile(lease, step, call, tool)
+
+
+def open_call(lease: Lease, step: Step, call: ToolCall) -> tuple[str | None, Tool | None]:
+    """What the hosted loop and the remote protocol do first with a call found open at
+    claim: settled is settled (``settle_from_record``); a call whose tool changed or was
+    retired follows ``tool_changed``. Returns the outcome when that handled it, else None
+    (and the tool as deployed here) for the caller to go on with the call's status."""
+    if settle_from_record(lease, step, call):
+        return Outcome.CONTINUE, None
+    try:
+        tool = registry.tool(call.tool_name)
+    except UnknownTool:
+        tool = None
+    if not tool_accepts(lease, step, call, tool):
+        return tool_changed(lease, step, call, tool), tool
+    return None, tool
 
 
 def settle_from_record(lease: Lease, step: Step, call: ToolCall) -> bool:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any
+from typing import Any, ClassVar
 
 from django.conf import settings
 from django.db.models import F
@@ -48,6 +48,9 @@ class Lease:
     steps: list[Step]
     claimed_db_time: datetime
     claimed_monotonic: float = field(default_factory=time.monotonic)
+    # a hosted run's recovery is counted by the claim that takes an expired lease over; a
+    # remote run's when its lease expires (runs.record.runs.run_lease_expired)
+    RECOVERY_COUNTED_AT_CLAIM: ClassVar[bool] = True
     # what the decision being recorded cost (an LLM agent's tokens): written with it
     decision_usage: Usage | None = None
     # monotonic clock when the latest ``dispatching`` commit was prepared: the tool's local

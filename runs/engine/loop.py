@@ -112,9 +112,15 @@ def drive(lease: Lease) -> str:
         return _drive_slice(lease)
 
 
-def _drive_slice(lease: Lease) -> str:
+def resume_checks(lease: Lease, *, hand_off: bool = False) -> str:
+    """DESIGN §5, the one resume checklist, for a worker's claim and an agent process's
+    lease alike: checked on every claim, before anything new is decided. "" to go on;
+    else what became of the run ("parked", or "handed_off" to a worker that serves the
+    agent when ``hand_off``)."""
     if lease.agent is None:
-        if serving.hand_off(lease, f"agent {lease.run.agent_name!r} is not registered here"):
+        if hand_off and serving.hand_off(
+            lease, f"agent {lease.run.agent_name!r} is not registered here"
+        ):
             return "handed_off"
         park_needs_attention(
             lease,
@@ -122,13 +128,15 @@ def _drive_slice(lease: Lease) -> str:
             f"agent {lease.run.agent_name!r} is not registered",
         )
         return "parked"
-    # DESIGN §5: everything below is checked on every claim, before anything new is decided
     if not migrate_agent_version(lease):
         return "parked"
     _apply_model_policy(lease)
-    # counted since an operator last retried a dead-lettered run (run_retry_recovery)
+    # counted since an operator last retried a dead-lettered run (run_retry_recovery); a
+    # hosted run's recovery is counted by the claim that takes over (``recovered``), a
+    # remote run's by its lease's expiry (so every later claim checks it)
     recoveries = lease.run.recovery_count - lease.run.recovery_count_at_retry
-    if lease.recovered and recoveries > _conf("MAX_RECOVERIES"):
+    counted = lease.recovered or not lease.RECOVERY_COUNTED_AT_CLAIM
+    if counted and recoveries > _conf("MAX_RECOVERIES"):
         park_needs_attention(
             lease,
             Run.Reason.RECOVERY_LIMIT,
@@ -140,6 +148,13 @@ def _drive_slice(lease: Lease) -> str:
     if revoked:
         pause_principal_revoked(lease, revoked)
         return "parked"
+    return ""
+
+
+def _drive_slice(lease: Lease) -> str:
+    stopped = resume_checks(lease, hand_off=True)
+    if stopped:
+        return stopped
     started = time.monotonic()
     advanced = 0
     while True:

@@ -10,7 +10,7 @@ import secrets
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, cast
+from typing import Any, ClassVar, cast
 
 from django.conf import settings
 from django.db.models.functions import Now
@@ -22,7 +22,7 @@ from runs.models import AgentManifest, Run, Step, ToolCall
 from runs.record.checkpoint import LeaseLost, RunNotFound, checkpoint
 from runs.record.common import kind_filter
 from runs.record.runs import WAITING_FOR_PROCESS, run_lease_expired
-from runs.registry import Effect, Tool, UnknownTool, registry
+from runs.registry import Effect, Tool, registry
 from runs.remote.manifest import is_remote
 from runs.remote.resume import resume_packet
 from runs.services import BudgetExhausted, InvalidState
@@ -45,6 +45,8 @@ class RemoteLease(engine.Lease):
     """The engine's ``Lease`` for an agent process: events name the API actor, and every
     write also requires the run still to be ``running`` (a released or expired lease keeps
     its fence until the next claim)."""
+
+    RECOVERY_COUNTED_AT_CLAIM: ClassVar[bool] = False
 
     @property
     def actor(self) -> str:
@@ -216,14 +218,8 @@ def _settle_open_step(lease: RemoteLease) -> None:
     if found is None:
         return
     step, call = found
-    if engine.settle_from_record(lease, step, call):
-        return
-    try:
-        tool = registry.tool(call.tool_name)
-    except UnknownTool:
-        tool = None
-    if not engine.tool_accepts(lease, step, call, tool):
-        engine.tool_changed(lease, step, call, tool)
+    done, tool = engine.open_call(lease, step, call)
+    if done is not None:
         return
     if call.status == ToolCall.Status.DISPATCHING:
         engine.mark_unknown(
@@ -287,28 +283,9 @@ def remote_lease_acquire(*, run_id: Any, actor: Actor, owner: str = "") -> Lease
     if lease.run.reason_detail == WAITING_FOR_PROCESS:
         with lease.checkpoint() as cp:
             cp.update(reason_detail="")
-    if lease.agent is None:
-        engine.park_needs_attention(
-            lease,
-            Run.Reason.INCOMPATIBLE_AGENT_VERSION,
-            f"agent {lease.run.agent_name!r} is not registered",
-        )
-    else:
-        migrated_from = lease.run.agent_version
-        if engine.migrate_agent_version(lease):
-            recoveries = lease.run.recovery_count - lease.run.recovery_count_at_retry
-            if recoveries > settings.AGENTOPS["MAX_RECOVERIES"]:
-                engine.park_needs_attention(
-                    lease,
-                    Run.Reason.RECOVERY_LIMIT,
-                    f"recovered {recoveries} times (limit {settings.AGENTOPS['MAX_RECOVERIES']})",
-                )
-            else:
-                revoked = engine.principal_refusal(lease, tool=None)
-                if revoked:
-                    engine.pause_principal_revoked(lease, revoked)
-                else:
-                    _settle_open_step(lease)
+    migrated_from = lease.run.agent_version
+    if not engine.resume_checks(lease):
+        _settle_open_step(lease)
     run = Run.objects.get(id=run_id)
     if run.status == Run.Status.WAITING_EVENT:
         raise InvalidState(
