@@ -500,3 +500,22 @@ def test_operator_resolves_an_unsafe_unknown_and_the_agent_goes_on(robot, run, l
     assert second.resume["unknown_outcomes"] == []
     assert second.resume["steps"][-1]["status"] == "completed"
     assert second.run_post("finish", {"result": {}}).json()["status"] == "succeeded"
+
+
+def test_the_recovery_limit_parks_a_remote_run_whose_leases_keep_expiring(
+    robot, run, leased, settings
+):
+    """The one resume checklist (engine.resume_checks): a remote run's recovery is counted
+    when its lease expires, so the claim after one expiry too many parks it for a person
+    (``recovery_limit``) instead of leasing it again."""
+    settings.AGENTOPS = {**settings.AGENTOPS, "MAX_RECOVERIES": 1}
+    expire_lease(run.id)
+    assert remote.remote_leases_expire() == 1
+    second = Agent(client_for_second(robot), run.id)
+    assert second.lease().status_code == 200  # 1 recovery: within the limit
+    expire_lease(run.id)
+    assert remote.remote_leases_expire() == 1
+    assert second.lease().status_code == 409
+    run.refresh_from_db()
+    assert (run.status, run.reason_code) == ("needs_attention", "recovery_limit")
+    assert "recovered 2 times (limit 1)" in run.reason_detail
