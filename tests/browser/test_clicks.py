@@ -142,3 +142,44 @@ def test_find_a_run_by_its_order_id_in_two_clicks(page, demo_principal, dana, sa
     expect(page).to_have_url(re.compile(reverse("runs:detail", args=[wanted.id])))
 
     assert clicks.count <= 2
+
+
+def test_approve_two_refunds_at_once_after_seeing_each(page, demo_principal, dana, sandbox):
+    """Airflow's Required Actions, bettered: select two refunds in the inbox, see each call's
+    summary and arguments on the confirmation page, approve both — each decided on its own."""
+    expect = _expect()
+    runs = []
+    for order, cents in (("ord_1004", 250_000), ("ord_1008", 99_900)):
+        run = run_create(
+            agent_name="refund",
+            goal=f"Refund order {order[-4:]}",
+            input={"order_id": order, "amount_cents": cents},
+            actor=Actor.for_user(demo_principal, "web"),
+        )
+        runs.append(drive(run.id))
+    sign_in(page, "dana")
+    page.goto(reverse("approvals:inbox"))
+    page.get_by_label("Select Refund 2,500.00 EUR to order ord_1004").check()
+    page.get_by_label("Select Refund 999.00 EUR to order ord_1008").check()
+    page.get_by_role("button", name="Approve selected…").click()
+    expect(page.get_by_role("heading", name="Approve 2 calls?")).to_be_visible()
+    expect(page.get_by_text("Refund 2,500.00 EUR to order ord_1004")).to_be_visible()
+    expect(page.get_by_text("Refund 999.00 EUR to order ord_1008")).to_be_visible()
+    shot(page, "approvals-bulk-review", doc="approvals-bulk")
+    page.get_by_role("button", name="Approve 2 calls").click()
+    expect(page.get_by_role("heading", name="Decisions")).to_be_visible()
+    for run in runs:
+        assert Approval.objects.get(run=run).status == Approval.Status.APPROVED
+
+
+def test_triage_lists_each_unknown_outcome_with_its_latest_lookup(
+    page, demo_principal, dana, sandbox, monkeypatch
+):
+    expect = _expect()
+    run, call, _sent = followup_with_a_lost_notification(monkeypatch, sandbox, demo_principal)
+    sign_in(page, "dana")
+    page.goto(reverse("runs:unknown_triage"))
+    expect(page.get_by_role("heading", name="Triage unknown outcomes")).to_be_visible()
+    expect(page.get_by_role("button", name="Resolve selected")).to_be_visible()
+    expect(page.locator("main")).to_contain_text(call.tool_name)
+    shot(page, "unknown-triage", doc="triage")
