@@ -7,6 +7,7 @@ Then a host dies wholesale, and the other takes over again."""
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Callable
 from datetime import datetime
 from urllib.parse import quote, urlsplit, urlunsplit
@@ -130,10 +131,23 @@ def _assert_record_and_ledger(sandbox, runs: list[Run]) -> None:
     assert keys == sorted(f"{run.id}:2" for run in runs), "a refund missing or applied twice"
 
 
-def _lose_host_with_a_refund_on_the_wire(owner: str, lose: Callable[[], None], *, taker: str):
+def _lose_host_with_a_refund_on_the_wire(
+    owner: str, lose: Callable[[], None], *, taker: str, runs: list[Run], more: Callable[[], Run]
+):
     """Once ``owner`` has a refund on the wire, ``lose`` its host; ``taker`` must claim each
-    run ``owner`` held within TAKEOVER_WITHIN."""
-    in_flight = wait_for(lambda: _refund_in_flight(owner), 60, what=f"{owner} to send a refund")
+    run ``owner`` held within TAKEOVER_WITHIN. Both hosts' workers compete for the runs: while
+    ``owner`` has none in flight, another run is started every 2 s (added to ``runs``), so
+    the test never depends on which worker a wake-up reached first."""
+    fed = [time.monotonic()]
+
+    def owner_sending() -> Run | None:
+        in_flight = _refund_in_flight(owner)
+        if in_flight is None and time.monotonic() - fed[0] > 2 and len(runs) < 10:
+            runs.append(more())
+            fed[0] = time.monotonic()
+        return in_flight
+
+    in_flight = wait_for(owner_sending, 60, what=f"{owner} to send a refund")
     lose()
     lost_at = db_now()
     taken = _takeover(_held_by(owner), taker, lost_at)
@@ -178,7 +192,13 @@ def test_a_partitioned_host_is_taken_over_in_time_and_a_dead_one_too(
 
     # --- a partition: host A's worker runs on, cut off from the database and the sandbox ---
     first = [_refund_run(system_actor, 100 + n) for n in range(4)]
-    _lose_host_with_a_refund_on_the_wire("host-a", host_a.link.cut, taker="host-b")
+    _lose_host_with_a_refund_on_the_wire(
+        "host-a",
+        host_a.link.cut,
+        taker="host-b",
+        runs=first,
+        more=lambda: _refund_run(system_actor, 100 + len(first)),
+    )
     wait_for(lambda: _all_ended(first), 60, what="host B to finish every run")
     assert worker_a.alive, "the partitioned worker should still be running"
 
@@ -199,7 +219,13 @@ def test_a_partitioned_host_is_taken_over_in_time_and_a_dead_one_too(
         host_b.kill_everything()
 
     second = [_refund_run(system_actor, 200 + n) for n in range(3)]
-    _lose_host_with_a_refund_on_the_wire("host-b", power_off, taker="host-a")
+    _lose_host_with_a_refund_on_the_wire(
+        "host-b",
+        power_off,
+        taker="host-a",
+        runs=second,
+        more=lambda: _refund_run(system_actor, 200 + len(second)),
+    )
     wait_for(lambda: _all_ended(second), 60, what="host A to finish every run")
     assert worker_b.process.wait(timeout=10) == -9  # SIGKILLed with everything on its host
     _assert_record_and_ledger(sandbox, first + second)
