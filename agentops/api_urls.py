@@ -22,6 +22,7 @@ v1 = [
     path("runs/<uuid:run_id>/terminate/", runs_api.RunTerminateApi.as_view(), name="run-terminate"),
     path("runs/<uuid:run_id>/budget/", runs_api.RunBudgetApi.as_view(), name="run-budget"),
     path("runs/<uuid:run_id>/fork/", runs_api.RunForkApi.as_view(), name="run-fork"),
+    path("runs/<uuid:run_id>/promote/", runs_api.RunPromoteApi.as_view(), name="run-promote"),
     path(
         "runs/<uuid:run_id>/retry-recovery/",
         runs_api.RunRetryRecoveryApi.as_view(),

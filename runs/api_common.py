@@ -46,6 +46,10 @@ STATUS_BY_CODE: dict[str, int] = {
     "already_decided": 409,
     "approval_expired": 409,
     "budget_exhausted": 409,
+    # a dry run of an agent with a tool that is not read and declares no dry_run (issue 23)
+    "dry_run_unsupported": 400,
+    # a dry run is promoted (started for real) once
+    "already_promoted": 409,
     # the request lacks an explicit confirmation the client can add and send again
     "unsafe_dispatch_unconfirmed": 400,
     # a dispatch's deadlines (DESIGN §9, docs/remote-agents.md); the body says when

@@ -119,6 +119,17 @@ class Run(models.Model):
         "self", null=True, blank=True, on_delete=models.PROTECT, related_name="forks"
     )
     forked_from_step = models.PositiveIntegerField(null=True, blank=True)
+    # A dry run (issue 23): the agent runs for real, but every tool that is not ``read``
+    # goes through the tool's declared ``dry_run`` instead of its side effect (hosted), or is
+    # flagged "do not execute" to the process that would call it (remote agents). Fixed at
+    # creation; a fork of a dry run is a dry run.
+    # (db_default: code of the previous release still inserts runs during a rolling deploy)
+    dry_run = models.BooleanField(default=False, db_default=False)
+    # the finished dry run this run was promoted from: started for real with the same input,
+    # none of its decisions reused (``run_promote``); its ``promotions`` are the other way
+    promoted_from = models.OneToOneField(
+        "self", null=True, blank=True, on_delete=models.PROTECT, related_name="promoted_to"
+    )
     event_seq = models.PositiveBigIntegerField(default=0)
     last_event_hash = models.CharField(max_length=64, blank=True)
 
@@ -312,6 +323,9 @@ class ToolReceipt(models.Model):
         RECONCILIATION = "reconciliation"
         OPERATOR = "operator"
         AGENT = "agent"
+        # a dry run's call of a tool that is not ``read``: what the tool's ``dry_run`` (or a
+        # remote agent's simulation) answered; nothing was sent to the external system
+        SIMULATED = "simulated"
 
     tool_call = models.OneToOneField(ToolCall, on_delete=models.CASCADE, related_name="receipt")
     outcome = models.CharField(max_length=20, choices=Outcome.choices)

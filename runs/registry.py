@@ -223,6 +223,11 @@ class Tool:
     # code ("EUR"), or the name of another argument of the call that holds it. Shown to
     # people as "2,500.00 EUR" (``argument_rows``), never as ``250000``.
     money_arguments: Mapping[str, str] = field(default_factory=dict)
+    # What a dry run calls instead of ``call`` (issue 23; docs/agents.md, "Dry runs"): it
+    # gets the same arguments and context and returns what the call *would* do, touching
+    # nothing outside. A ``read`` tool needs none (a dry run reads for real); an agent with a
+    # tool that is not ``read`` and declares none cannot be started as a dry run.
+    dry_run: Callable[[Mapping[str, Any], ToolContext], ToolResult] | None = None
     declared_version: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -244,6 +249,12 @@ class Tool:
         # code computes the same fingerprint (workers recover each other's runs)
         self.declared_version = self.version
         self.version = tool_fingerprint(self)
+
+    @property
+    def simulates(self) -> bool:
+        """Whether a dry run can call this tool: a ``read`` (called for real) or a tool that
+        declares its ``dry_run``."""
+        return self.effect == Effect.READ or self.dry_run is not None
 
     def accepts(self, version: str) -> bool:
         """Whether a call recorded with ``version`` is a call of this tool as it is now."""
@@ -374,6 +385,9 @@ NOT_IN_FINGERPRINT = frozenset(
         # how a call is described to people, like ``description``
         "summary",
         "money_arguments",
+        # what a dry run calls instead of the tool: never part of a real call's effect, so
+        # declaring or changing it must not retire real calls in flight or re-ask approvals
+        "dry_run",
     }
 )
 _FINGERPRINT_LENGTH = 16  # hex characters; ToolCall.tool_version holds up to 64
@@ -777,6 +791,20 @@ class Agent:
 
     def apply(self, state: dict[str, Any], step: StepView) -> dict[str, Any]:
         return state
+
+    def tools_without_dry_run(self) -> list[str]:
+        """This agent's tools that are not ``read`` and declare no ``dry_run``: a dry run of
+        it is refused while there is one (``runs.services.run_create``)."""
+        missing = []
+        for name in self.tools:
+            try:
+                tool = registry.tool(name)
+            except UnknownTool:
+                missing.append(name)
+                continue
+            if not tool.simulates:
+                missing.append(name)
+        return missing
 
     def sensitive_outputs(self) -> dict[str, tuple[str, ...]]:
         """Tool name -> the sensitive output paths it declares, for this agent's tools that

@@ -47,6 +47,7 @@ _LIST_FIELDS = (
     "steps_used",
     "max_steps",
     "recovery_count",
+    "dry_run",
     "created_at",
     "updated_at",
 )
@@ -65,17 +66,22 @@ def run_status_counts(*, agent: str | None = None) -> dict[str, int]:
 
 
 def run_get(*, run_id: Any) -> Run:
-    """One run with its principal (Run.DoesNotExist if there is none)."""
-    return Run.objects.select_related("principal").get(id=run_id)
+    """One run with its principal and the run it was promoted to, if any (a dry run's;
+    Run.DoesNotExist if there is none)."""
+    return Run.objects.select_related("principal", "promoted_to").get(id=run_id)
 
 
-def runs_for_api(*, status: str | None = None, agent: str | None = None) -> QuerySet[Run]:
+def runs_for_api(
+    *, status: str | None = None, agent: str | None = None, dry_run: bool | None = None
+) -> QuerySet[Run]:
     """Runs for a cursor-paginated list: list fields only, newest first."""
     runs = Run.objects.only(*_LIST_FIELDS)
     if status:
         runs = runs.filter(status=status)
     if agent:
         runs = runs.filter(agent_name=agent)
+    if dry_run is not None:
+        runs = runs.filter(dry_run=dry_run)
     return runs
 
 

@@ -50,6 +50,24 @@ class AttestationRequired(InvalidInput):
     code = "attestation_required"
 
 
+class DryRunUnsupported(InvalidInput):
+    """A dry run of an agent one of whose tools that are not ``read`` declares no dry-run
+    behaviour: such a tool could only be called for real, so the run is refused."""
+
+    code = "dry_run_unsupported"
+
+    def __init__(self, agent_name: str, tools: list[str]) -> None:
+        self.tools = tools
+        super().__init__(
+            f"agent {agent_name} cannot be dry-run: these tools have side effects and declare "
+            f"no dry_run: {', '.join(tools)}"
+        )
+
+
+class AlreadyPromoted(InvalidState):
+    code = "already_promoted"
+
+
 class BudgetExhausted(InvalidState):
     """A top-up that would leave the run's budget still exhausted."""
 
@@ -79,13 +97,20 @@ def run_create(
     max_cost: Decimal | None = None,
     max_tokens: int | None = None,
     deadline: Any = None,
+    dry_run: bool = False,
+    promoted_from: Run | None = None,
 ) -> Run:
     """Create a run and enqueue it. Unknown agents and bad input raise before anything is
-    written."""
+    written. ``dry_run``: refused (``DryRunUnsupported``, naming the tools) unless every tool
+    of the agent that is not ``read`` declares its dry-run behaviour."""
     actor.require("runs.start_run")
     agent = registry.agent(agent_name)  # raises UnknownAgent
     input = dict(input or {})
     _validate_input(agent, input)
+    if dry_run:
+        missing = agent.tools_without_dry_run()
+        if missing:
+            raise DryRunUnsupported(agent.name, missing)
     if principal is None:
         principal = actor.user
     run_id = uuid.uuid4()
@@ -109,6 +134,8 @@ def run_create(
             enqueued_at=timezone.now(),
             # an LLM-backed agent's model is pinned here, for the run's whole life
             model_id=agent.model_for_new_run() if hasattr(agent, "model_for_new_run") else "",
+            dry_run=dry_run,
+            promoted_from=promoted_from,
         )
         with checkpoint(run.id, actor=actor.label, channel=actor.channel) as cp:
             cp.event(
@@ -119,8 +146,47 @@ def run_create(
                 **({"model": run.model_id} if run.model_id else {}),
                 principal=principal.get_username() if principal is not None else None,
                 budget={"max_steps": run.max_steps, "max_cost": max_cost, "max_tokens": max_tokens},
+                # only when set: a real run's event is what it always was
+                **({"dry_run": True} if dry_run else {}),
+                **({"promoted_from": str(promoted_from.id)} if promoted_from else {}),
             )
         enqueue_on_commit(run.id)
+    return run
+
+
+def run_promote(*, run_id: Any, actor: Actor) -> Run:
+    """Start a finished dry run for real: a new run of the same agent with the same goal,
+    input and budget limits, acting as the person (or account) who promotes it. Nothing of
+    the dry run is reused — its decisions, receipts and approvals stay its own (the new run
+    is its own root: new idempotency keys, approvals asked again). Linked both ways: the new
+    run's ``promoted_from`` and ``run.created``, the dry run's ``run.promoted``. A dry run is
+    promoted once (``AlreadyPromoted``; the one-to-one link refuses a second even under a
+    race)."""
+    actor.require("runs.start_run")
+    with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+        source = Run.objects.get(id=run_id)  # under the lock cp holds
+        if not source.dry_run:
+            raise InvalidState("only a dry run can be promoted; this run is real")
+        if source.status not in Run.TERMINAL:
+            raise InvalidState(f"the dry run is {source.status}: promote it once it has finished")
+        promoted = Run.objects.filter(promoted_from_id=source.id).values_list("id", flat=True)
+        if promoted:
+            raise AlreadyPromoted(f"this dry run was already promoted to run {promoted[0]}")
+        run = run_create(
+            agent_name=source.agent_name,
+            goal=source.goal,
+            input=source.input,
+            actor=actor,
+            max_steps=source.max_steps,
+            max_cost=source.max_cost,
+            max_tokens=source.max_tokens,
+            # a deadline that has passed would stop the real run at once: it is dropped
+            deadline=source.deadline
+            if source.deadline is not None and source.deadline > timezone.now()
+            else None,
+            promoted_from=source,
+        )
+        cp.event("run.promoted", to_run=str(run.id), by=actor.label)
     return run
 
 
@@ -585,6 +651,8 @@ def run_fork(
             forked_from=source,
             forked_from_step=from_step,
             enqueued_at=timezone.now(),
+            # a fork of a dry run is a dry run: its family's keys and approvals are simulated
+            dry_run=source.dry_run,
         )
         transitions.steps_carry(fork, steps)
         signals = _carry_signals(fork, source, from_step)
@@ -599,6 +667,7 @@ def run_fork(
                 goal=fork.goal,
                 principal=fork.principal.get_username() if fork.principal_id else None,
                 budget=_limits(fork),
+                **({"dry_run": True} if fork.dry_run else {}),
             )
             fork_cp.event(
                 "run.forked",

@@ -68,6 +68,13 @@ class RefundAgent(Agent):
                 },
             )
         if tool == "refund_payment":
+            if (
+                last.status == "completed"
+                and isinstance(last.output, dict)
+                and last.output.get("dry_run")
+            ):
+                # a dry run (docs/agents.md): the tool said what it would have done
+                return Finish({"refunded": False, "dry_run": True, "would": last.output["would"]})
             if last.status == "completed":
                 return Finish({"refunded": True, "refund_id": last.output.get("refund_id")})
             refused = approval_refusal(last)
@@ -122,6 +129,8 @@ class FollowUpAgent(Agent):
             if last.status == "completed":
                 # an operator who resolved a lost outcome as "it happened" may give no result
                 output = last.output if isinstance(last.output, dict) else {}
+                if output.get("dry_run"):
+                    return Finish({"notified": False, "dry_run": True, "would": output["would"]})
                 return Finish({"notified": True, "notification_id": output.get("notification_id")})
             return Fail(f"could not notify the customer: {last.error}")
         return Fail(f"unexpected step {last.seq}")

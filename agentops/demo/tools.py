@@ -127,6 +127,23 @@ def refund_payment(arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult
     return ToolResult(result=body, external_ref=body.get("refund_id", ""))
 
 
+def dry_run_refund(arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
+    """What the refund would do, without a request to the payments service (a dry run)."""
+    return ToolResult(
+        result={
+            "dry_run": True,
+            # not the summary: it would copy the customer's email (a sensitive argument,
+            # masked only in the call's record) into the result
+            "would": f"POST /refunds: Refund {money(arguments['amount_cents'], CURRENCY)} "
+            f"to order {arguments['order_id']}",
+            "order_id": arguments["order_id"],
+            "amount_cents": arguments["amount_cents"],
+            "idempotency_key": ctx.idempotency_key,
+            "refund_id": None,
+        }
+    )
+
+
 def reconcile_refund(idempotency_key: str, arguments: Mapping[str, Any]) -> Reconciliation:
     response = _request("GET", "/refunds", timeout=5.0, params={"idempotency_key": idempotency_key})
     body = response.json()
@@ -159,6 +176,7 @@ REFUND_PAYMENT = Tool(
     name="refund_payment",
     effect=Effect.RECONCILABLE,
     call=refund_payment,
+    dry_run=dry_run_refund,
     reconcile=reconcile_refund,
     description="Refund (part of) an order. Refunds above 100.00 need an approver.",
     schema={
@@ -198,10 +216,23 @@ def send_notification(arguments: Mapping[str, Any], ctx: ToolContext) -> ToolRes
     return ToolResult(result=body, external_ref=body.get("notification_id", ""))
 
 
+def dry_run_notification(arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
+    """What would be sent, without sending it (a dry run). The recipient is a sensitive
+    argument: it is not repeated in the result."""
+    return ToolResult(
+        result={
+            "dry_run": True,
+            "would": f"POST /notifications: {arguments['subject']!r} to the customer",
+            "notification_id": None,
+        }
+    )
+
+
 SEND_NOTIFICATION = Tool(
     name="send_notification",
     effect=Effect.UNSAFE,
     call=send_notification,
+    dry_run=dry_run_notification,
     description="Send a message to a customer. Cannot be looked up or deduplicated.",
     schema={
         "type": "object",

@@ -100,6 +100,14 @@ class RunCreateInputSerializer(serializers.Serializer):
         required=False, default=dict, help_text="Must match the agent's input schema."
     )
     budget = BudgetSerializer(required=False)
+    dry_run = serializers.BooleanField(
+        required=False,
+        default=False,
+        help_text="Run the agent for real but call every tool that is not read through its "
+        "declared dry_run instead of its side effect (remote agents: every dispatch answer "
+        "says do not execute). Refused with dry_run_unsupported, naming the tools, when a "
+        "tool that is not read declares no dry run.",
+    )
 
     def validate_input(self, value):
         _reject_null_characters(value)
@@ -109,6 +117,9 @@ class RunCreateInputSerializer(serializers.Serializer):
 class RunListFilterSerializer(QueryParamsSerializer):
     status = serializers.ChoiceField(choices=Run.Status.choices, required=False)
     agent = serializers.CharField(max_length=100, required=False)
+    dry_run = serializers.BooleanField(
+        required=False, allow_null=True, default=None, help_text="Only dry runs, or only real."
+    )
 
 
 REASON_HELP = "Empty, or why the run stopped or needs a person: " + ", ".join(Run.Reason.values)
@@ -132,6 +143,7 @@ class RunSummarySerializer(serializers.ModelSerializer):
             "steps_used",
             "max_steps",
             "recovery_count",
+            "dry_run",
             "created_at",
             "updated_at",
         ]
@@ -212,6 +224,18 @@ class RunSerializer(MaskedSerializerMixin, serializers.ModelSerializer):
     budget = RunBudgetOutputSerializer(source="*")
     usage = RunUsageSerializer(source="*")
     root_run = serializers.UUIDField(source="root_run_id", allow_null=True)
+    dry_run = serializers.BooleanField(
+        help_text="A dry run: its tools that are not read were simulated (receipts with "
+        "source simulated), nothing was sent to them."
+    )
+    promoted_from = serializers.UUIDField(
+        source="promoted_from_id",
+        allow_null=True,
+        help_text="The dry run this run was promoted from (started for real, same input).",
+    )
+    promoted_to = serializers.SerializerMethodField(
+        help_text="A dry run's promotion: the real run started from it, once."
+    )
     input = serializers.JSONField()
     state = serializers.JSONField()
     result = serializers.JSONField(allow_null=True)
@@ -238,6 +262,9 @@ class RunSerializer(MaskedSerializerMixin, serializers.ModelSerializer):
             "requested_by",
             "trace_id",
             "root_run",
+            "dry_run",
+            "promoted_from",
+            "promoted_to",
             "event_seq",
             "created_at",
             "updated_at",
@@ -247,6 +274,13 @@ class RunSerializer(MaskedSerializerMixin, serializers.ModelSerializer):
 
     def get_principal(self, run: Run) -> str | None:
         return run.principal.get_username() if run.principal_id else None
+
+    @extend_schema_field(serializers.UUIDField(allow_null=True))
+    def get_promoted_to(self, run: Run) -> str | None:
+        if not run.dry_run:
+            return None  # only a dry run is promoted: no lookup for a real one
+        promoted = getattr(run, "promoted_to", None)  # select_related by selectors.run_get
+        return str(promoted.id) if promoted is not None else None
 
     @extend_schema_field(OpenWaitSerializer(many=True))
     def get_open_waits(self, run: Run) -> list:
@@ -321,6 +355,10 @@ class ToolSerializer(serializers.Serializer):
     )
     timeout = serializers.FloatField()
     approval = ToolApprovalPolicySerializer()
+    dry_run = serializers.BooleanField(
+        help_text="Whether a dry run can call it: a read (called for real) or a tool that "
+        "declares its dry-run behaviour. A remote agent's tools: true (its process simulates)."
+    )
 
 
 class AgentSerializer(serializers.Serializer):
@@ -332,9 +370,10 @@ class AgentSerializer(serializers.Serializer):
     tools = ToolSerializer(many=True)
 
 
-def _tool_data(tool: Tool, *, name: str | None = None) -> dict[str, Any]:
+def _tool_data(tool: Tool, *, name: str | None = None, remote: bool = False) -> dict[str, Any]:
     policy = tool.approval
     return {
+        "dry_run": remote or tool.simulates,
         "name": name or tool.name,
         "version": tool.version,
         "declared_version": tool.declared_version,
@@ -515,7 +554,7 @@ def agent_data(agent: Agent) -> dict[str, Any]:
     shown by the names the manifest gives them)."""
     if isinstance(agent, RemoteAgent):
         tools = [
-            _tool_data(manifest_tool(agent.name, spec), name=spec["name"])
+            _tool_data(manifest_tool(agent.name, spec), name=spec["name"], remote=True)
             for spec in agent.tool_specs.values()
         ]
     else:
@@ -575,7 +614,9 @@ class RunCollectionApi(generics.GenericAPIView):
         responses={
             201: RunSerializer,
             200: OpenApiResponse(RunSerializer, description="Replay of an Idempotency-Key."),
-            **errors("validation_error", "unknown_agent", "idempotency_key_reused"),
+            **errors(
+                "validation_error", "unknown_agent", "idempotency_key_reused", "dry_run_unsupported"
+            ),
         },
     )
     def post(self, request):
@@ -591,6 +632,7 @@ class RunCollectionApi(generics.GenericAPIView):
             "max_cost": budget.get("max_cost"),
             "max_tokens": budget.get("max_tokens"),
             "deadline": budget.get("deadline"),
+            "dry_run": data["dry_run"],
         }
         actor = actor_for(request)
         key = request.headers.get("Idempotency-Key")
@@ -753,6 +795,27 @@ class RunForkApi(APIView):
         fork = services.run_fork(run_id=run_id, actor=actor_for(request), **payload.validated_data)
         return Response(
             RunSerializer(_run_detail(fork.id), context={"request": request}).data,
+            status=status.HTTP_201_CREATED,
+        )
+
+
+class RunPromoteApi(APIView):
+    @extend_schema(
+        summary="Start a finished dry run for real: a new run with the same input",
+        description="None of the dry run's decisions is reused: the agent decides afresh, "
+        "under new idempotency keys, and its approvals are asked again. The new run acts as "
+        "the caller and names the dry run in promoted_from; a dry run is promoted once.",
+        request=None,
+        responses={
+            201: OpenApiResponse(RunSerializer, description="The new, real run."),
+            **errors("not_found", "invalid_state", "already_promoted", "unknown_agent"),
+        },
+    )
+    def post(self, request, run_id):
+        _require_readable(request, run_id)
+        run = services.run_promote(run_id=run_id, actor=actor_for(request))
+        return Response(
+            RunSerializer(_run_detail(run.id), context={"request": request}).data,
             status=status.HTTP_201_CREATED,
         )
 

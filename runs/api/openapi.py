@@ -40,6 +40,8 @@ RUN_ACTIONS = {
     "SignalRun": "v1_runs_signals_create",
     "LeaseRun": "v1_runs_lease_create",
     "RetryRecovery": "v1_runs_retry_recovery_create",
+    # a finished dry run started for real (issue 23)
+    "PromoteDryRun": "v1_runs_promote_create",
 }
 
 FENCED_RUN_ACTIONS = {
@@ -105,6 +107,7 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {
         ),
     },
     ("/api/v1/runs/{run_id}/fork/", "post", "201"): run_links(ID, STEPS),
+    ("/api/v1/runs/{run_id}/promote/", "post", "201"): run_links(ID, STEPS),
     ("/api/v1/runs/{run_id}/signals/", "post", "202"): {
         "GetSignalledRun": link("v1_runs_retrieve", run_id="$response.body#/run"),
     },

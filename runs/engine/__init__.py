@@ -50,6 +50,7 @@ from runs.engine.toolcalls import (
     mark_unknown,
     presend_row,
     record_receipt,
+    simulates,
 )
 from runs.record.checkpoint import lease_expiry
 
@@ -85,6 +86,7 @@ __all__ = [
     "record_receipt",
     "release",
     "settle_from_record",
+    "simulates",
     "tool_accepts",
     "tool_changed",
 ]

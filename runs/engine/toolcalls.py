@@ -54,7 +54,9 @@ def _mark_dispatching(cp, call: ToolCall, lease: Lease, tool: Tool) -> None:
     # statement runs, so it can only end earlier than the database's deadlines
     lease.dispatch_started = time.monotonic()
     send, landing = _deadline_offsets(tool)
-    transitions.call_dispatching(cp, call, fence=lease.fence, send=send, landing=landing)
+    transitions.call_dispatching(
+        cp, call, fence=lease.fence, send=send, landing=landing, simulated=simulates(lease, tool)
+    )
 
 
 def _deadline_offsets(tool: Tool) -> tuple[float, float]:
@@ -247,8 +249,10 @@ def _call_tool(
     ok: bool | None
     result: ToolResult | None = None
     error = ""
-    if tool.effect == Effect.READ:
-        # no side effect to guard: a late read harms nobody
+    simulated = simulates(lease, tool)
+    if tool.effect == Effect.READ or simulated:
+        # no side effect to guard: a late read harms nobody, and a dry run's simulation
+        # sends nothing (issue 23: the side effect is never called, so no pre-send check)
         ctx = ToolContext(
             run_id=str(lease.run.id),
             idempotency_key=call.idempotency_key,
@@ -267,9 +271,12 @@ def _call_tool(
     # The last commit renewed the lease for a full TTL; only a call that may outlast half
     # of it needs a renewal thread.
     keeper = _LeaseKeeper(lease) if tool.timeout > _conf("LEASE_TTL") / 2 else nullcontext()
+    body = tool.call
+    if simulated:
+        body = tool.dry_run or _no_dry_run
     with keeper:
         try:
-            result = tool.call(call.arguments, ctx)
+            result = body(call.arguments, ctx)
             ok = True
         except ToolFailed as exc:
             ok, error = False, _describe(exc)
@@ -282,6 +289,23 @@ def _call_tool(
         _make_storable(lease, call, result)
     faults.crash_point("tool_call")
     return ok, result, error
+
+
+def simulates(lease: Lease, tool: Tool) -> bool:
+    """Whether this call of ``tool`` is simulated: the run is a dry run and the tool is not
+    a ``read`` (a dry run reads for real). The run's flag came with the claim: no query."""
+    return lease.run.dry_run and tool.effect != Effect.READ
+
+
+def _no_dry_run(arguments: Any, ctx: ToolContext) -> ToolResult:
+    # the tool lost its dry_run since the dry run started (a deploy): it is never called
+    # for real in a dry run, the step fails and the agent sees why
+    raise ToolFailed("dry run: this tool declares no dry_run behaviour, so it was not called")
+
+
+def receipt_source(lease: Lease, tool: Tool) -> str:
+    """The source of a receipt the tool itself answered: ``simulated`` in a dry run."""
+    return ToolReceipt.Source.SIMULATED if simulates(lease, tool) else ToolReceipt.Source.TOOL
 
 
 def _make_storable(lease: Lease, call: ToolCall, answer: ToolResult | Reconciliation) -> None:
@@ -326,7 +350,7 @@ def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
             ok=ok,
             result=result.result if result else {"error": error},
             external_ref=result.external_ref if result else "",
-            source=ToolReceipt.Source.TOOL,
+            source=receipt_source(lease, tool),
             later=True,
             notes=_storage_notes(result),
         )

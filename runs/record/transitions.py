@@ -165,7 +165,13 @@ def call_gate_settled(call: ToolCall, *, approved: bool, reason: str = "") -> No
 
 
 def call_dispatching(
-    cp: Checkpoint, call: ToolCall, *, fence: int, send: float, landing: float
+    cp: Checkpoint,
+    call: ToolCall,
+    *,
+    fence: int,
+    send: float,
+    landing: float,
+    simulated: bool = False,
 ) -> None:
     """``dispatching``, on the object: the attempt and its deadlines in the database's
     time (``DbNow``: the statement that writes them computes them, DESIGN §9). The caller
@@ -183,6 +189,9 @@ def call_dispatching(
         tool=call.tool_name,
         attempt=call.attempt_count,
         idempotency_key=call.idempotency_key,
+        # a dry run's call (issue 23): its dry_run is called, or the agent process is told
+        # not to execute it; only then, so a real dispatch's event is what it always was
+        **({"simulated": True} if simulated else {}),
     )
     cp.boundary("dispatching")
 

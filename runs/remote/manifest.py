@@ -176,6 +176,11 @@ class RemoteAgent(Agent):
             if spec.get("sensitive_output")
         }
 
+    def tools_without_dry_run(self) -> list[str]:
+        # the agent process calls its tools itself: a dry run is the "do not execute" flag
+        # it is given (docs/remote-agents.md, "Dry runs"), nothing here can call one
+        return []
+
     def decide(self, ctx):  # pragma: no cover - remote agents decide in their own process
         raise RuntimeError("a remote agent decides in its own process")
 

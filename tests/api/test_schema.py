@@ -29,6 +29,7 @@ ENDPOINTS = {
     ("/api/v1/runs/{run_id}/terminate/", "post"),
     ("/api/v1/runs/{run_id}/budget/", "post"),
     ("/api/v1/runs/{run_id}/fork/", "post"),
+    ("/api/v1/runs/{run_id}/promote/", "post"),
     ("/api/v1/runs/{run_id}/retry-recovery/", "post"),
     ("/api/v1/tool-calls/", "get"),
     ("/api/v1/tool-calls/{tool_call_id}/resolution/", "post"),
