@@ -188,7 +188,11 @@ def run_with_lease(*, run_id: Any) -> Run:
     """One run with its principal and ``lease_is_live``, judged in database time like every
     lease decision (Run.DoesNotExist if there is none)."""
     live = ExpressionWrapper(Q(lease_expires_at__gt=Now()), output_field=BooleanField())
-    return Run.objects.select_related("principal").annotate(lease_is_live=live).get(id=run_id)
+    return (
+        Run.objects.select_related("principal", "promoted_to")
+        .annotate(lease_is_live=live)
+        .get(id=run_id)
+    )
 
 
 def run_detail(*, run_id: Any) -> RunDetail:

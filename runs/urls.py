@@ -28,6 +28,7 @@ urlpatterns = [
         name="retry_recovery",
     ),
     path("runs/<uuid:run_id>/fork/", detail.run_fork_view, name="fork"),
+    path("runs/<uuid:run_id>/promote/", detail.run_promote_view, name="promote"),
     # the unknown-outcomes inbox (runs.views.outcomes)
     path("unknown/", outcomes.unknown_inbox, name="unknown"),
     path("unknown/triage/", outcomes.unknown_triage, name="unknown_triage"),

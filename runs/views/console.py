@@ -264,6 +264,12 @@ class StartRunForm(forms.Form):
         required=False,
         help_text="Leave empty for the default.",
     )
+    dry_run = forms.BooleanField(
+        label="Dry run",
+        required=False,
+        help_text="The agent runs for real, but every tool with a side effect only says what "
+        "it would do; nothing is sent. A finished dry run can be promoted to a real run.",
+    )
 
     def __init__(self, *args: Any, agents: list[str], **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -322,17 +328,21 @@ def run_start(request: HtmxHttpRequest) -> HttpResponse:
                     goal=form.cleaned_data["goal"],
                     input=form.cleaned_data["input"],
                     max_steps=form.cleaned_data["max_steps"],
+                    dry_run=form.cleaned_data["dry_run"],
                     actor=Actor.for_user(request.user, "web"),
                 )
             except UnknownAgent:
                 form.add_error("agent", "This agent is no longer registered.")
+            except services.DryRunUnsupported as exc:
+                form.add_error("dry_run", str(exc))
             except services.InvalidInput as exc:
                 form.add_error("input", str(exc))
             except ActorPermissionDenied as exc:
                 form.add_error(None, str(exc))
                 status = 403
             else:
-                messages.success(request, f"Run {str(run.id)[:8]} started ({run.agent_name}).")
+                kind = "Dry run" if run.dry_run else "Run"
+                messages.success(request, f"{kind} {str(run.id)[:8]} started ({run.agent_name}).")
                 return redirect(_detail_url(run.id))
         status = status if status != 200 else 400
     else:

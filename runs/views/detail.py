@@ -63,6 +63,12 @@ class TerminateForm(forms.Form):
     )
 
 
+class PromoteForm(forms.Form):
+    confirm = forms.BooleanField(
+        error_messages={"required": "Tick the box to confirm: the new run's tools act for real."}
+    )
+
+
 class BudgetForm(forms.Form):
     add_steps = forms.IntegerField(min_value=0, max_value=1_000_000, required=False)
     add_cost = forms.DecimalField(min_value=0, max_digits=12, decimal_places=6, required=False)
@@ -110,7 +116,10 @@ ACTION_FORMS: dict[str, type[forms.Form]] = {
     "budget": BudgetForm,
     "retry_recovery": EmptyForm,
     "fork": ForkForm,
+    "promote": PromoteForm,
 }
+
+START = "runs.start_run"
 
 
 # --- the page ----------------------------------------------------------------------------
@@ -147,7 +156,19 @@ def _available(run: Run) -> dict[str, bool]:
         # form regardless keeps the panel the same while a run flips between queued and
         # running every slice (the panel reloads only when this set changes)
         "fork": True,
+        # a finished dry run, not promoted yet (issue 23)
+        "promote": run.dry_run and status in Run.TERMINAL and promoted_to(run) is None,
     }
+
+
+def promoted_to(run: Run) -> Run | None:
+    """The real run a dry run was promoted to (selected with the run: no query)."""
+    if not run.dry_run:
+        return None
+    try:
+        return run.promoted_to
+    except Run.DoesNotExist:
+        return None
 
 
 # What a person does about each reason a run stopped for them (docs/recovery.md).
@@ -231,6 +252,7 @@ def _context(
         "fork_version": _registered_version(run),
         "acts": _actions_signature(run),
         "may_operate": request.user.has_perm(OPERATE),
+        "may_start": request.user.has_perm(START),
         "may_resolve": request.user.has_perm("runs.resolve_toolcall"),
         "forms": forms_by_action,
         "action": action,
@@ -338,9 +360,10 @@ def _act(
     what: str,
     do: Callable[[Actor, dict[str, Any]], Run],
     done: Callable[[Run], str],
+    perm: str = OPERATE,
 ) -> HttpResponse:
-    if not request.user.has_perm(OPERATE):
-        return _refused(request, run_id, what, OPERATE)
+    if not request.user.has_perm(perm):
+        return _refused(request, run_id, what, perm)
     form = ACTION_FORMS[action](request.POST)
     if not form.is_valid():
         return _after_error(request, run_id, action=action, form=form, status=400)
@@ -354,14 +377,14 @@ def _act(
     except (Run.DoesNotExist, RunNotFound):
         raise Http404("no such run") from None
     except ActorPermissionDenied:
-        return _refused(request, run_id, what, OPERATE)
+        return _refused(request, run_id, what, perm)
     except services.InvalidInput as exc:
         return _after_error(request, run_id, action=action, form=form, error=str(exc), status=400)
     except services.InvalidState as exc:
         return _after_error(request, run_id, action=action, form=form, error=str(exc), status=409)
     message = done(run)
     if run.id != _uuid(run_id):
-        # a fork: the operator continues on the new run's page
+        # a fork or a promotion: the operator continues on the new run's page
         messages.success(request, message)
         url = reverse("runs:detail", args=[run.id])
         if request.htmx:
@@ -522,4 +545,21 @@ def run_fork_view(request: HtmxHttpRequest, run_id: Any) -> HttpResponse:
             f"Forked from step #{fork.forked_from_step} onto {fork.agent_name} "
             f"v{fork.agent_version}; the old run is terminated."
         ),
+    )
+
+
+@login_required
+@require_POST
+def run_promote_view(request: HtmxHttpRequest, run_id: Any) -> HttpResponse:
+    return _act(
+        request,
+        run_id,
+        "promote",
+        "promote this dry run",
+        lambda actor, data: services.run_promote(run_id=run_id, actor=actor),
+        lambda run: (
+            f"Promoted: run {str(run.id)[:8]} starts {run.agent_name} for real with the dry "
+            "run's input; it decides afresh and its approvals are asked again."
+        ),
+        perm=START,
     )

@@ -204,3 +204,19 @@ def test_a_fork_of_a_dry_run_is_a_dry_run(sandbox, system_actor, operator):
     assert events(fork.id, "run.created")[0].payload["dry_run"] is True
     assert fork.status == Run.Status.SUCCEEDED
     assert refund_posts(sandbox) == []
+
+
+def test_startrun_starts_a_dry_run(register, capsys):
+    from django.core.management import CommandError, call_command
+
+    register(
+        make_tool("dr_cli_write", CountingTool(), effect=Effect.UNSAFE),
+        ScriptedAgent("dr_cli", lambda ctx: Finish(), tools=("dr_cli_write",)),
+    )
+    call_command(
+        "startrun", "refund", "--input", '{"order_id": "ord_1", "amount_cents": 1}', "--dry-run"
+    )
+    run = Run.objects.get(id=capsys.readouterr().out.strip())
+    assert run.dry_run is True
+    with pytest.raises(CommandError, match="dr_cli_write"):
+        call_command("startrun", "dr_cli", "--dry-run")

@@ -1,4 +1,4 @@
-"""``python manage.py startrun AGENT [--goal G] [--input JSON] [--max-steps N]``"""
+"""``python manage.py startrun AGENT [--goal G] [--input JSON] [--max-steps N] [--dry-run]``"""
 
 from __future__ import annotations
 
@@ -19,6 +19,11 @@ class Command(BaseCommand):
         parser.add_argument("--goal", default="")
         parser.add_argument("--input", default="{}", help="the run's input as a JSON object")
         parser.add_argument("--max-steps", type=int, default=None)
+        parser.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="tools with side effects only say what they would do (docs/agents.md)",
+        )
 
     def handle(self, *args, **options):
         try:
@@ -35,6 +40,7 @@ class Command(BaseCommand):
                 goal=options["goal"],
                 input=data,
                 max_steps=options["max_steps"],
+                dry_run=options["dry_run"],
                 actor=Actor.system("cli"),
             )
         except (UnknownAgent, InvalidInput) as exc:
