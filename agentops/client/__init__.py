@@ -300,6 +300,8 @@ class Resume:
     migrated_from: str | None = None
     migrations: list[dict[str, Any]] = field(default_factory=list)
     waits: list[WaitOutcome] = field(default_factory=list)
+    # a dry run: no tool that is not read may be executed (``RemoteRun.execute`` refuses)
+    dry_run: bool = False
 
     @property
     def last_wait(self) -> WaitOutcome | None:
@@ -326,6 +328,7 @@ class Resume:
             pending_approvals=list(data.get("pending_approvals") or []),
             migrated_from=data.get("migrated_from"),
             migrations=list(data.get("migrations") or []),
+            dry_run=bool(data.get("dry_run", False)),
             waits=[
                 WaitOutcome.from_json(step["seq"], step.get("output"), step["wait"])
                 for step in steps
@@ -369,6 +372,9 @@ class Dispatch:
     timeout: float | None = None
     send_by: float | None = None
     finish_by: float | None = None
+    # ``execute`` false: a dry run's call of a tool that is not read — do not call the tool
+    dry_run: bool = False
+    execute: bool = True
 
 
 @dataclass(frozen=True)
@@ -741,6 +747,12 @@ class RemoteRun:
         self._stop = threading.Event()
         self._beater: threading.Thread | None = None
 
+    @property
+    def dry_run(self) -> bool:
+        """A dry run: ``execute`` calls no tool that is not read (the guarantee is this
+        process's: the server can only tell it not to)."""
+        return self.resume.dry_run
+
     def _post(self, path: str, body: Mapping[str, Any] | None = None) -> Any:
         proof = {"fence": self.fence, "lease_token": self._lease_token}
         return self.client.request("POST", path, json={**proof, **(body or {})})
@@ -921,6 +933,8 @@ class RemoteRun:
             timeout=float(timeout) if timeout is not None else None,
             send_by=send_by,
             finish_by=finish_by,
+            dry_run=bool(data.get("dry_run", False)),
+            execute=bool(data.get("execute", True)),
         )
         if dispatch.go:
             self.client.pauses.point("dispatching")
@@ -1006,6 +1020,7 @@ class RemoteRun:
         precondition: str = "",
         max_lookups: int = 5,
         max_sends: int = 3,
+        simulate: Callable[[dict[str, Any]], Any] | None = None,
     ) -> Executed:
         """Dispatch the call, pass the pre-send check, call ``tool(arguments, ctx)`` and
         record its outcome; an unknown one is reconciled (``reconcile``). ``tool`` returns
@@ -1014,7 +1029,11 @@ class RemoteRun:
         it cannot tell; it should send ``ctx.headers()`` and call ``ctx.check_send()`` just
         before its request leaves (``ctx.request`` does both). ``state(outcome, result)``
         gives the run's new state to record with the receipt. ``LeaseLost`` propagates:
-        stop advancing the run."""
+        stop advancing the run.
+
+        In a dry run (``resume.dry_run``; the dispatch answers ``execute: false``) ``tool`` is
+        never called: ``simulate(arguments)`` says what it would do (by default, that it was
+        not executed), recorded as simulated (docs/remote-agents.md, "Dry runs")."""
         return self._drive(
             tool_call_id,
             tool,
@@ -1024,6 +1043,7 @@ class RemoteRun:
             dispatch_first=True,
             max_lookups=max_lookups,
             max_sends=max_sends,
+            simulate=simulate,
         )
 
     def reconcile(
@@ -1064,6 +1084,7 @@ class RemoteRun:
         dispatch_first: bool,
         max_lookups: int,
         max_sends: int,
+        simulate: Callable[[dict[str, Any]], Any] | None = None,
     ) -> Executed:
         send = dispatch_first
         sends = 0
@@ -1075,7 +1096,7 @@ class RemoteRun:
                 if not dispatch.go:
                     return Executed("not_dispatched", reason=dispatch.reason)
                 key, arguments = dispatch.idempotency_key, dispatch.arguments
-                outcome, result, ref = self._send(dispatch, tool)
+                outcome, result, ref = self._send(dispatch, tool, simulate)
                 if outcome in ("succeeded", "failed"):
                     return self._record(tool_call_id, outcome, result, ref, "agent", state, None)
                 answer = self.receipt(tool_call_id, outcome, result=result)
@@ -1112,8 +1133,18 @@ class RemoteRun:
                 time.sleep(min(max(float(exc.body.get("wait_seconds", 1.0)), 0.05), 60.0))
         return self.dispatch(tool_call_id, precondition=precondition)
 
-    def _send(self, dispatch: Dispatch, tool: Tool) -> tuple[str, Any, str]:
+    def _send(
+        self, dispatch: Dispatch, tool: Tool, simulate: Callable[[dict[str, Any]], Any] | None
+    ) -> tuple[str, Any, str]:
         """(outcome, result, external_ref): succeeded / failed / unknown / not_sent."""
+        if not dispatch.execute:
+            # a dry run: the tool is never called, whatever the caller passed
+            if simulate is None:
+                return "succeeded", {"dry_run": True, "executed": False}, ""
+            try:
+                return "succeeded", simulate(dict(dispatch.arguments)), ""
+            except ToolFailed as exc:
+                return "failed", exc.result, ""
         try:
             ctx = self.send_check(dispatch)
         except SendDeadlinePassed as exc:

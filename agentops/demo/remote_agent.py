@@ -116,6 +116,12 @@ class Refunder:
         refund = response.json()
         return {**refund, "external_ref": refund.get("refund_id", "")}
 
+    def would_refund(self, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """A dry run's refund: what it would do. The client calls this instead of ``refund``
+        when the dispatch says not to execute; nothing is sent to the payments service."""
+        say(f"dry run: would refund {arguments['amount_cents']} to {arguments['order_id']}")
+        return {"dry_run": True, "would": "POST /refunds", **arguments}
+
     def find_refund(self, key: str, arguments: Mapping[str, Any]) -> Found:
         try:
             response = httpx.get(
@@ -158,7 +164,8 @@ class Refunder:
                 return stop
         for call in resume.open_tool_calls:  # 2. e.g. approved while we were away
             if call.status in ("proposed", "approved"):
-                stop = self.settle(self.run.execute(call.id, self.refund, **opts))
+                done = self.run.execute(call.id, self.refund, simulate=self.would_refund, **opts)
+                stop = self.settle(done)
                 if stop:
                     return stop
         if resume.pending_approvals:
@@ -178,7 +185,10 @@ class Refunder:
             if proposal.decision != "approved":
                 self.run.fail(f"refund refused: {proposal.error}")
                 return "failed"
-            stop = self.settle(self.run.execute(proposal.tool_call_id, self.refund, **opts))
+            done = self.run.execute(
+                proposal.tool_call_id, self.refund, simulate=self.would_refund, **opts
+            )
+            stop = self.settle(done)
             if stop:
                 return stop
         if "refund_failed" in self.state:
@@ -221,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.run:
             parser.error("--run is required")
         run = client.lease_when_free(args.run, owner=args.owner, wait=args.wait)
-        say(f"leased fence {run.fence}")
+        say(f"leased fence {run.fence}{' (a dry run)' if run.dry_run else ''}")
         try:
             with run:
                 outcome = Refunder(

@@ -167,11 +167,19 @@ class ResumeMigrationSerializer(serializers.Serializer):
         }
 
 
+DRY_RUN_HELP = (
+    "A dry run: call no tool that is not read. For each such call, dispatch it as usual, "
+    "do NOT execute it, and report what it would do as its receipt (recorded as simulated). "
+    "The guarantee rests on this process: the server cannot stop it from calling a tool."
+)
+
+
 class ResumeSerializer(serializers.Serializer):
     run = serializers.UUIDField()
     agent = serializers.CharField()
     agent_version = serializers.CharField()
     goal = serializers.CharField(allow_blank=True)
+    dry_run = serializers.BooleanField(help_text=DRY_RUN_HELP)
     input = serializers.JSONField()
     state = serializers.JSONField()
     state_version = serializers.IntegerField()
@@ -205,6 +213,7 @@ class LeaseSerializer(serializers.Serializer):
     lease_ttl_seconds = serializers.FloatField(
         help_text="Heartbeat well within this (a third of it is a good interval)."
     )
+    dry_run = serializers.BooleanField(source="resume.dry_run", help_text=DRY_RUN_HELP)
     resume = ResumeSerializer()
 
 
@@ -423,7 +432,14 @@ class DispatchInputSerializer(FenceSerializer):
 
 
 class DispatchSerializer(serializers.Serializer):
-    go = serializers.BooleanField(help_text="true: call the tool now, with this key.")
+    go = serializers.BooleanField(
+        help_text="true: call the tool now, with this key (unless execute is false)."
+    )
+    dry_run = serializers.BooleanField(help_text=DRY_RUN_HELP)
+    execute = serializers.BooleanField(
+        help_text="false: do not execute — a dry run's call of a tool that is not read. Report "
+        "what the call would do as its receipt (outcome succeeded); it is recorded as simulated."
+    )
     reason = serializers.CharField(allow_blank=True)
     replayed = serializers.BooleanField(
         help_text="true: a repeated dispatch by the same fence, answered with the original "

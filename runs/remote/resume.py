@@ -103,6 +103,9 @@ def resume_packet(run: Run) -> dict[str, Any]:
         "agent": run.agent_name,
         "agent_version": run.agent_version,
         "goal": run.goal,
+        # a dry run (issue 23): the process calls no tool that is not read; it reports what
+        # each would do, recorded as simulated (every dispatch answer says so again)
+        "dry_run": run.dry_run,
         "input": run.input,
         "state": run.state,
         "state_version": run.state_version,

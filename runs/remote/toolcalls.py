@@ -215,6 +215,23 @@ class Dispatch:
     # a repeated dispatch by the same fence: the original dispatch, its deadlines unchanged
     replayed: bool = False
     timeout: float | None = None
+    # the run is a dry run (issue 23); ``execute`` false: do not call the tool, report what
+    # it would do (a dry run's call of a tool that is not read)
+    dry_run: bool = False
+    execute: bool = True
+
+
+_DRY_RUN_REASON = (
+    "dry run: do not execute the tool; report what it would do as the receipt (recorded as "
+    "simulated)"
+)
+
+
+def _simulated(lease: RemoteLease, call: ToolCall) -> bool:
+    """A dry run's call of a tool that is not ``read``: the process must not execute it,
+    and its receipt is recorded as ``simulated``. From the call's recorded effect class (a
+    retired tool's call is judged as it was proposed)."""
+    return lease.run.dry_run and call.effect != Effect.READ
 
 
 def _call_for_lease(
@@ -310,8 +327,11 @@ def remote_toolcall_dispatch(
         call = ToolCall.objects.select_related("step").get(id=call.id)
         tool = _registered(call)
         timeout = tool.timeout if tool is not None else None
+        dry = {"dry_run": lease.run.dry_run, "execute": not _simulated(lease, call)}
         if call.status == ToolCall.Status.DISPATCHING and call.dispatch_incarnation == fence:
-            return Dispatch(True, call, "already dispatching (a repeated request)", True, timeout)
+            return Dispatch(
+                True, call, "already dispatching (a repeated request)", True, timeout, **dry
+            )
         if call.status not in ToolCall.OPEN:
             # settled (a receipt, a rejection): before any compatibility check, which must
             # never fail a call that settled
@@ -331,7 +351,9 @@ def remote_toolcall_dispatch(
             _reported_fingerprint.reset(token)
     call.refresh_from_db()
     if call.status == ToolCall.Status.DISPATCHING:
-        return Dispatch(True, call, "", False, timeout)
+        return Dispatch(
+            True, call, _DRY_RUN_REASON if not dry["execute"] else "", False, timeout, **dry
+        )
     if call.status == ToolCall.Status.AWAITING_APPROVAL:
         return Dispatch(False, call, "the call needs an approval again; the lease is released")
     if call.status == ToolCall.Status.CANCELLED:
@@ -508,6 +530,9 @@ def remote_toolcall_receipt(
             "before looking the key up, and send its number as lookup"
         )
     lease, call = _call_for_lease(tool_call_id, fence, actor, lease_token)
+    if not reconciling and _simulated(lease, call):
+        # what the agent reports of a dry run's call is what it would have done
+        source = ToolReceipt.Source.SIMULATED
     receipt = getattr(call, "receipt", None)
     if receipt is not None:
         if receipt.outcome == outcome and receipt.source == source:
