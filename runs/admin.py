@@ -597,11 +597,12 @@ class RunAdmin(ReadOnlyAdmin):
         "principal",
         "steps_used",
         "recovery_count",
+        "dry_run",
         "created_at",
         "finished_at",
     ]
     list_select_related = ["principal"]
-    list_filter = ["status", "reason_code", AgentFilter]
+    list_filter = ["status", "reason_code", "dry_run", AgentFilter]
     uuid_search_fields = ("id", "root_run_id", "forked_from_id")
     exact_search_fields = (
         "tool_calls__idempotency_key",
@@ -656,6 +657,8 @@ class RunAdmin(ReadOnlyAdmin):
                 "fields": [
                     "trace_id",
                     ("root_run", "forked_from", "forked_from_step"),
+                    # a dry run's tools were only simulated; a promoted run started from one
+                    ("dry_run", "promoted_from"),
                     ("event_seq", "last_event_hash"),
                 ]
             },

@@ -34,7 +34,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connections, router, transaction
-from django.db.models import Q, QuerySet
+from django.db.models import F, Q, QuerySet
 from django.utils import timezone
 
 from runs.models import AuditEntry, Run, RunEvent
@@ -363,10 +363,13 @@ EVENT_COLUMNS = [
     "payload_digest",
     "prev_hash",
     "hash",
+    # whether the event's run is a dry run (issue 23): its tools were only simulated. Not
+    # part of the chain (the run's run.created event records it, and is chained)
+    "dry_run",
 ]
 
 
-EVENT_FIELDS = ["id", *EVENT_COLUMNS]
+EVENT_FIELDS = ["id", *EVENT_COLUMNS[:-1]]
 
 
 def event_row(event: dict[str, Any]) -> dict[str, Any]:
@@ -397,7 +400,7 @@ def events_for_export(
     types = list(types)
     if types:
         events = events.filter(type__in=types)
-    return events.values(*EVENT_FIELDS)
+    return events.values(*EVENT_FIELDS, dry_run=F("run__dry_run"))
 
 
 class _Echo:

@@ -73,14 +73,28 @@ def register_collector(collect: Callable[[], Iterable[Metric]]) -> None:
 def collect_runs() -> Iterator[Metric]:
     from runs.models import Run, RunEvent, Step, ToolCall
 
-    by_status = dict(Run.objects.values_list("status").annotate(n=Count("id")).order_by())
-    runs = GaugeMetricFamily("agentops_runs", "Runs by status.", labels=["status"])
+    # dry runs (issue 23) are counted apart: they are no throughput and spend nothing real
+    # on their tools, so every run, step and usage figure below is of real runs only
+    by_status: dict[tuple[str, bool], int] = {
+        (status, dry): n
+        for status, dry, n in Run.objects.values_list("status", "dry_run")
+        .annotate(n=Count("id"))
+        .order_by()
+    }
+    runs = GaugeMetricFamily("agentops_runs", "Runs by status (dry runs apart).", labels=["status"])
+    dry_runs = GaugeMetricFamily(
+        "agentops_dry_runs",
+        "Dry runs by status: their tools with side effects were only simulated.",
+        labels=["status"],
+    )
     for status in Run.Status.values:
-        runs.add_metric([status], by_status.get(status, 0))
+        runs.add_metric([status], by_status.get((status, False), 0))
+        dry_runs.add_metric([status], by_status.get((status, True), 0))
     yield runs
+    yield dry_runs
 
     attention = dict(
-        Run.objects.filter(status=Run.Status.NEEDS_ATTENTION)
+        Run.objects.filter(status=Run.Status.NEEDS_ATTENTION, dry_run=False)
         .values_list("reason_code")
         .annotate(n=Count("id"))
         .order_by()
@@ -94,17 +108,27 @@ def collect_runs() -> Iterator[Metric]:
         needs.add_metric([reason], attention.get(reason, 0))
     yield needs
 
+    real, dry = Q(dry_run=False), Q(dry_run=True)
     usage = Run.objects.aggregate(
-        recoveries=Sum("recovery_count"),
-        steps=Sum("steps_used"),
-        tokens=Sum("tokens_used"),
-        cost=Sum("cost_used"),
+        recoveries=Sum("recovery_count", filter=real),
+        steps=Sum("steps_used", filter=real),
+        tokens=Sum("tokens_used", filter=real),
+        cost=Sum("cost_used", filter=real),
+        # a dry run's model is real and so is its bill: shown, apart
+        dry_tokens=Sum("tokens_used", filter=dry),
+        dry_cost=Sum("cost_used", filter=dry),
     )
     for name, key, text in (
         ("agentops_recoveries", "recoveries", "Times a run was recovered from a dead holder."),
-        ("agentops_steps", "steps", "Steps taken by all runs."),
-        ("agentops_tokens", "tokens", "Model tokens used by all runs."),
-        ("agentops_cost", "cost", "Model cost recorded by all runs (the budgets' unit)."),
+        ("agentops_steps", "steps", "Steps taken by all runs (dry runs apart)."),
+        ("agentops_tokens", "tokens", "Model tokens used by all runs (dry runs apart)."),
+        (
+            "agentops_cost",
+            "cost",
+            "Model cost recorded by all runs (the budgets' unit; dry runs apart).",
+        ),
+        ("agentops_dry_run_tokens", "dry_tokens", "Model tokens used by dry runs."),
+        ("agentops_dry_run_cost", "dry_cost", "Model cost recorded by dry runs."),
     ):
         yield CounterMetricFamily(name, text, value=float(usage[key] or 0))
 
@@ -159,7 +183,9 @@ def _step_histogram(step_model: Any) -> Metric:
         for index, bound in enumerate(STEP_BUCKETS)
     }
     row = (
-        step_model.objects.filter(completed_at__gte=since, completed_at__isnull=False)
+        step_model.objects.filter(
+            completed_at__gte=since, completed_at__isnull=False, run__dry_run=False
+        )
         .annotate(duration=duration)
         .aggregate(total=Count("id"), sum=Sum("duration"), **counts)
     )
@@ -170,7 +196,7 @@ def _step_histogram(step_model: Any) -> Metric:
     return GaugeHistogramMetricFamily(
         "agentops_step_duration_seconds",
         f"Steps completed in the last {STEP_WINDOW_SECONDS} s, by time from decision to "
-        "completion (includes approval and wait time), seconds.",
+        "completion (includes approval and wait time; dry runs apart), seconds.",
         buckets=buckets,
         gsum_value=total.total_seconds() if total is not None else 0.0,
     )

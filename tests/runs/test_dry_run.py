@@ -5,8 +5,11 @@ finished dry run is promoted to a real run that reuses none of its decisions."""
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from django.db import transaction
+from django.urls import reverse
 
 from approvals.models import Approval
 from approvals.services import approval_decide
@@ -120,11 +123,15 @@ def _approve(approval: Approval, user) -> None:
 
 
 def test_approvals_in_a_dry_run_are_asked_and_decided_but_never_used_by_a_real_run(
-    sandbox, system_actor, operator, approver
+    sandbox, system_actor, operator, approver, client
 ):
     dry = _start(system_actor, LARGE_REFUND)
     assert dry.status == Run.Status.WAITING_APPROVAL
     dry_approval = Approval.objects.get(run=dry)
+    # the approver is told what approving it does
+    client.force_login(approver)
+    page = client.get(reverse("approvals:detail", args=[dry_approval.id])).content.decode()
+    assert "badge-dry-run" in page and "approving it sends nothing" in page
     _approve(dry_approval, approver)
 
     dry = drive(dry.id)
@@ -220,3 +227,44 @@ def test_startrun_starts_a_dry_run(register, capsys):
     assert run.dry_run is True
     with pytest.raises(CommandError, match="dr_cli_write"):
         call_command("startrun", "dr_cli", "--dry-run")
+
+
+def _samples(name: str) -> dict[tuple, float]:
+    from runs.metrics import collect_runs
+
+    (family,) = [f for f in collect_runs() if f.name == name]
+    names = (name, f"{name}_total")  # a counter's sample is named ..._total
+    return {tuple(s.labels.values()): s.value for s in family.samples if s.name in names}
+
+
+def test_metrics_count_dry_runs_apart_from_throughput(register, system_actor):
+    tool = make_tool("dr_metric_write", CountingTool(), effect=Effect.IDEMPOTENT)
+    tool.dry_run = lambda arguments, ctx: ToolResult(result={"would": "write"})
+
+    def decide(ctx):
+        return Finish() if ctx.steps else CallTool("dr_metric_write", {})
+
+    register(tool, ScriptedAgent("dr_metric", decide, tools=("dr_metric_write",)))
+    drive(run_create(agent_name="dr_metric", actor=system_actor, dry_run=True).id)
+    drive(run_create(agent_name="dr_metric", actor=system_actor, dry_run=True).id)
+    drive(run_create(agent_name="dr_metric", actor=system_actor).id)
+
+    assert _samples("agentops_runs")[("succeeded",)] == 1
+    assert _samples("agentops_dry_runs")[("succeeded",)] == 2
+    assert _samples("agentops_steps")[()] == 2  # the real run's call and finish only
+
+
+def test_the_audit_export_marks_a_dry_run_s_events(sandbox, system_actor):
+    import json
+
+    from django.core.management import call_command
+
+    dry = _start(system_actor, SMALL_REFUND)
+    real = _start(system_actor, SMALL_REFUND, dry_run=False)
+    out = io.StringIO()
+
+    call_command("audit_export", "--since", "2000-01-01", "--format", "jsonl", stdout=out)
+
+    rows = [json.loads(line) for line in out.getvalue().splitlines()]
+    marks = {(row["run_id"], row["dry_run"]) for row in rows}
+    assert marks == {(str(dry.id), True), (str(real.id), False)}
