@@ -47,6 +47,9 @@ def _outcome(call: GatewayCall) -> Outcome:
         "idempotency_key": call.client_key or None,
         "arguments_digest": call.arguments_digest,
     }
+    if call.run.dry_run:
+        # a dry run's call (docs/mcp.md): a tool that is not read only said what it would do
+        handle["dry_run"] = True
     step = (
         Step.objects.filter(run_id=call.run_id, kind=Step.Kind.TOOL_CALL)
         .order_by("seq")

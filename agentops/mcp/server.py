@@ -39,6 +39,8 @@ TOKEN_SCOPE_KEY = "agentops.token"
 META_KEY = "agentops/idempotency_key"
 META_KEY_PLAIN = "idempotency_key"
 META_RUN = "agentops/run_id"
+# true: the call goes into a dry run (its tools that are not read only say what they would do)
+META_DRY_RUN = "agentops/dry_run"
 RUN_HEADER = "x-agentops-run"
 
 
@@ -138,6 +140,7 @@ async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.Call
             client_key=str(client_key) if client_key else "",
             run_id=str(run_id),
             session=session,
+            dry_run=meta.get(META_DRY_RUN) is True,
         )
     except PermissionDenied as exc:
         return _error(getattr(exc, "code", "permission_denied"), str(exc))

@@ -78,10 +78,13 @@ def gateway_call_record(
     client_key: str = "",
     run_id: str = "",
     session: str = "",
+    dry_run: bool = False,
 ) -> GatewayCall:
     """The recorded call for this ``tools/call``: the one recorded before under the same key
     (the client's, or the arguments' digest within the run), or a new one, recorded and
-    its run woken. Asking again is always safe: it never records or dispatches twice."""
+    its run woken. Asking again is always safe: it never records or dispatches twice.
+    ``dry_run``: the call goes into a dry run of the gateway (its own run per session), where
+    a tool that is not read only says what it would do (docs/mcp.md, "Dry runs")."""
     user = token.principal
     gateway_require(user)
     tool = next((t for t in tools_for(user) if t.name == tool_name), None)
@@ -98,10 +101,13 @@ def gateway_call_record(
 
     if client_key:
         found = _by_client_key(user, client_key, tool_name, arguments_digest)
+        if found is not None and found.run.dry_run != dry_run:
+            # a real call's key must never answer a dry run's, nor the other way round
+            raise KeyReused("this idempotency key was already used in a " + _mode(found.run))
         if found is not None:
             _wake(token, found)
             return found
-    run = _run_for(token, run_id=run_id, session=session)
+    run = _run_for(token, run_id=run_id, session=session, dry_run=dry_run)
     if not client_key:
         found = GatewayCall.objects.filter(
             run=run, client_key="", arguments_digest=arguments_digest
@@ -152,12 +158,19 @@ def _step_exists(call: GatewayCall) -> bool:
     )
 
 
-def _run_for(token: ApiToken, *, run_id: str, session: str) -> Run:
+def _mode(run: Run) -> str:
+    return "dry run" if run.dry_run else "real run"
+
+
+def _run_for(token: ApiToken, *, run_id: str, session: str, dry_run: bool = False) -> Run:
     """The run a call goes into: the one the client names, else the live gateway run of
     this principal and session (a session of the MCP transport, or the token when the
-    protocol has none), else a new one."""
+    protocol has none), else a new one. A dry run's calls have their own run and binding:
+    a call asked as a dry run never goes into a real run (nor the other way round)."""
     user = token.principal
     runs = Run.objects.filter(agent_name=AGENT_NAME, principal=user)
+    if dry_run:
+        session = f"{session[:190]}#dry-run"
     if run_id:
         try:
             run = runs.filter(id=uuid.UUID(str(run_id))).first()
@@ -167,6 +180,11 @@ def _run_for(token: ApiToken, *, run_id: str, session: str) -> Run:
             raise RunNotFound(f"no gateway run {run_id} of {user.get_username()}")
         if run.status in Run.TERMINAL:
             raise InvalidState(f"the run is {run.status}: start another (leave out the run id)")
+        if run.dry_run != dry_run:
+            raise InvalidState(
+                f"run {run.id} is a {_mode(run)}, and this call was asked "
+                + ("as a dry run" if dry_run else "for real")
+            )
         return run
     for _attempt in range(SESSION_BIND_ATTEMPTS):
         bound = GatewaySession.objects.filter(principal=user, session_key=session).first()
@@ -186,6 +204,7 @@ def _run_for(token: ApiToken, *, run_id: str, session: str) -> Run:
                     actor=gateway_actor(token),
                     principal=user,
                     max_steps=settings.AGENTOPS_MCP["MAX_STEPS"],
+                    dry_run=dry_run,
                 )
                 if bound is None:
                     GatewaySession.objects.create(principal=user, session_key=session, run=run)
