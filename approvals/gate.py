@@ -64,6 +64,8 @@ class ApprovalsGate:
         # still bound to this exact call (tool, version, arguments) and not expired.
         consumed = Approval.objects.filter(
             tool_call=call,
+            # and of this call's own run: an approval (a dry run's too) is never another's
+            run_id=call.run_id,
             status=Approval.Status.APPROVED,
             consumed_at__isnull=True,
             tool_name=call.tool_name,

@@ -74,7 +74,7 @@ def collect_runs() -> Iterator[Metric]:
     from runs.models import Run, RunEvent, Step, ToolCall
 
     # dry runs (issue 23) are counted apart: they are no throughput and spend nothing real
-    # on their tools, so every run, step and usage figure below is of real runs only
+    # on their tools, so the run, step and usage figures below are of real runs only
     by_status: dict[tuple[str, bool], int] = {
         (status, dry): n
         for status, dry, n in Run.objects.values_list("status", "dry_run")
@@ -94,7 +94,8 @@ def collect_runs() -> Iterator[Metric]:
     yield dry_runs
 
     attention = dict(
-        Run.objects.filter(status=Run.Status.NEEDS_ATTENTION, dry_run=False)
+        # a dry run waiting for a person waits all the same: counted (it is no throughput)
+        Run.objects.filter(status=Run.Status.NEEDS_ATTENTION)
         .values_list("reason_code")
         .annotate(n=Count("id"))
         .order_by()
@@ -110,7 +111,8 @@ def collect_runs() -> Iterator[Metric]:
 
     real, dry = Q(dry_run=False), Q(dry_run=True)
     usage = Run.objects.aggregate(
-        recoveries=Sum("recovery_count", filter=real),
+        # recoveries are the workers' health, not throughput: every run's
+        recoveries=Sum("recovery_count"),
         steps=Sum("steps_used", filter=real),
         tokens=Sum("tokens_used", filter=real),
         cost=Sum("cost_used", filter=real),

@@ -161,6 +161,18 @@ def dead_lettered(w: World) -> Run:
     return run
 
 
+def finished_dry_run(w: World) -> Run:
+    from runs.services import run_create, run_terminate
+
+    run = run_create(
+        agent_name="pay_bot",
+        input={"order_id": "o"},
+        actor=Actor.for_user(w.starter, "api"),
+        dry_run=True,
+    )
+    return run_terminate(run_id=run.id, actor=Actor.system("cli"), reason="seen enough")
+
+
 def with_a_step(w: World) -> Run:
     run = queued(w)
     agent = w.holder(run)
@@ -275,6 +287,10 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
         simple(with_a_step, lambda w, r: api_post(w, f"runs/{r.id}/fork/", {"from_step": 1})),
         OPERATE,
     ),
+    "api promote dry run": (
+        simple(finished_dry_run, lambda w, r: api_post(w, f"runs/{r.id}/promote/")),
+        OPERATE,
+    ),
     "api retry recovery": (
         simple(dead_lettered, lambda w, r: api_post(w, f"runs/{r.id}/retry-recovery/")),
         OPERATE,
@@ -341,6 +357,12 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
     ),
     "console fork": (
         simple(with_a_step, lambda w, r: web_post(w, f"/runs/{r.id}/fork/", {"from_step": "1"})),
+        OPERATE,
+    ),
+    "console promote dry run": (
+        simple(
+            finished_dry_run, lambda w, r: web_post(w, f"/runs/{r.id}/promote/", {"confirm": "on"})
+        ),
         OPERATE,
     ),
     "console resolve unknown outcome": (
