@@ -53,6 +53,8 @@ EVENT_TYPES = sorted(
         "run.model_changed",
         "run.model_pinned",
         "run.forked",
+        # a finished dry run started for real (issue 23)
+        "run.promoted",
         "run.paused",
         "run.pause_requested",
         "run.resumed",
@@ -212,7 +214,14 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
         case "run.created":
             principal = p.get("principal")
             on_behalf = f" for {principal}" if principal else ""
-            return f"created on {p.get('agent')} v{p.get('agent_version')}{on_behalf}"
+            text = f"created on {p.get('agent')} v{p.get('agent_version')}{on_behalf}"
+            if p.get("dry_run"):
+                text += " as a dry run (tools with side effects only simulated)"
+            if p.get("promoted_from"):
+                text += f", promoted from the dry run {p['promoted_from']}"
+            return text
+        case "run.promoted":
+            return f"promoted by {by}: started for real as run {p.get('to_run')}"
         case "run.claimed":
             how = "took over after a lost lease" if p.get("recovered") else "claimed the lease"
             return f"{p.get('worker')} {how} (incarnation {p.get('fence')})"
@@ -238,7 +247,8 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
         case "step.failed":
             return f"step #{p.get('seq')} failed: {p.get('error', '')}"
         case "tool.dispatching":
-            return f"{_call(p)} dispatching, attempt {p.get('attempt')}"
+            simulated = " (dry run: simulated, nothing sent)" if p.get("simulated") else ""
+            return f"{_call(p)} dispatching{simulated}, attempt {p.get('attempt')}"
         case "tool.succeeded" | "tool.failed":
             outcome = event_type.split(".")[1]
             ref = f", ref {p['external_ref']}" if p.get("external_ref") else ""

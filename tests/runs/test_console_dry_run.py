@@ -83,6 +83,8 @@ def test_dry_runs_are_marked_on_the_list_and_the_page(client, viewer, writer, sy
     assert listed.count("badge-dry-run") == 1
     page = client.get(_url("detail", run)).content.decode()
     assert "badge badge-dry-run" in page and "only simulated" in page
+    # the timeline says so too
+    assert "as a dry run" in page and "(dry run: simulated, nothing sent)" in page
     assert "badge-dry-run" not in client.get(_url("detail", real)).content.decode()
     assert writer.calls == []  # the tool's side effect was never called
 
@@ -107,6 +109,8 @@ def test_a_finished_dry_run_is_promoted_from_its_page_linked_both_ways(
     assert "Promoted from" in page and f'href="{_url("detail", run)}"' in page
     dry_page = client.get(_url("detail", run)).content.decode()
     assert f'href="{_url("detail", real)}"' in dry_page
+    assert f"promoted by user:olivia: started for real as run {real.id}" in dry_page
+    assert f"promoted from the dry run {run.id}" in page
     assert "Promote to a real run" not in dry_page  # once
     assert drive(real.id).status == Run.Status.SUCCEEDED
     assert len(writer.calls) == 1  # for real, this time
