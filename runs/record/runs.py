@@ -9,6 +9,7 @@ business (the engine, the remote protocol, ``runs.services``); what the move wri
 from __future__ import annotations
 
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from django.db.models import F
@@ -17,7 +18,7 @@ from django.utils import timezone
 
 from runs.gate import get_gate
 from runs.models import Question, Run, Step, ToolCall
-from runs.queue import enqueue_on_commit
+from runs.queue import enqueue_run
 from runs.record import machine, transitions
 from runs.record.checkpoint import Checkpoint
 
@@ -55,7 +56,7 @@ def run_queue(cp: Checkpoint, *, enqueue: bool = True, **fields: Any) -> None:
         fields.setdefault("enqueued_at", Now())
     cp.update(status=Run.Status.QUEUED, **fields)
     if enqueue:
-        enqueue_on_commit(cp.run.id)
+        cp.on_commit(partial(enqueue_run, cp.run_id))
 
 
 def run_await_approval(cp: Checkpoint, *, seq: int, tool: str, **why: Any) -> None:
@@ -66,16 +67,14 @@ def run_await_approval(cp: Checkpoint, *, seq: int, tool: str, **why: Any) -> No
 
 
 def call_await_approval(
-    cp: Checkpoint, *, run: Run, call: ToolCall, tool: Any, seq: int, new: bool, **why: Any
+    cp: Checkpoint, *, run: Run, call: ToolCall, tool: Any, seq: int, **why: Any
 ) -> None:
-    """ "Wait for approval", the one way: the call awaits its approval (``new``: it is
-    inserted so, in this commit, with its decision), the gate is asked, the run waits."""
+    """ "Wait for approval", the one way: the call awaits its approval (inserted so when it
+    is new in this commit, with its decision), the gate is asked, the run waits."""
     machine.check("call", call.status, ToolCall.Status.AWAITING_APPROVAL)
     call.status = ToolCall.Status.AWAITING_APPROVAL
-    if new:
-        call.save(force_insert=True)
-    else:
-        ToolCall.objects.filter(id=call.id).update(status=call.status, updated_at=timezone.now())
+    call.updated_at = timezone.now()
+    cp.save_fields(call, ["status", "updated_at"])
     get_gate().request(cp=cp, run=run, call=call, tool=tool)
     run_await_approval(cp, seq=seq, tool=tool.name, **why)
 
@@ -134,7 +133,7 @@ def run_terminate(
     """Terminate inside the caller's checkpoint: cancel undispatched calls (and their
     approvals), fail the open step, release the lease. Calls already dispatched keep their
     status (an unknown outcome stays visible)."""
-    run_id = cp.run.id
+    run_id = cp.run_id
     gate = get_gate()
     undispatched = (
         ToolCall.Status.PROPOSED,

@@ -24,7 +24,6 @@ from runs.remote.lease import (
     RemoteLease,
     _check_budget,
     _held,
-    _needs_person,
     _prove_holder,
     holder_conditions,
     honour_request,
@@ -537,13 +536,8 @@ def remote_toolcall_receipt(
                 detail = f"not sent (the agent's report of attempt {call.attempt_count}): {detail}"
             engine.mark_unknown(lease, call, detail[:2000])
             tool = _tool_of(call)
-            if tool is not None and _needs_person(tool):
-                engine.park_needs_attention(
-                    lease,
-                    Run.Reason.UNKNOWN_OUTCOME,
-                    f"{call.tool_name} ({call.effect}) may or may not have acted: "
-                    f"{call.last_error}",
-                )
+            if tool is not None and engine.unknown_needs_person(tool):
+                engine.park_unknown_outcome(lease, call)
         call.refresh_from_db()
         return call
     if outcome == "absent":
@@ -589,12 +583,11 @@ def _record_absent(lease: RemoteLease, call: ToolCall, lookup: int) -> ToolCall:
             latest_lookup=call.lookups_begun,
         )
     tool = _tool_of(call)
-    honours_key = tool is not None and tool.honours_key
     landing = (
         engine.can_land_until(lease, call, tool) if tool is not None else call.landing_deadline
     )
     started = call.lookup_started_at
-    if not honours_key and (started is None or landing is None or started < landing):
+    if not engine.absent_proves_never_landed(tool, started, landing):
         raise LookupTooEarly(
             f"lookup {lookup} began at {started.isoformat() if started else '?'}, before the "
             f"original request could no longer land ({landing.isoformat() if landing else '?'})"
@@ -606,12 +599,7 @@ def _record_absent(lease: RemoteLease, call: ToolCall, lookup: int) -> ToolCall:
         transitions.call_absent_accepted(
             cp, call, lookup=lookup, started_at=started.isoformat() if started else None
         )
-    if tool is not None and tool.resend == Resend.PERSON and not call.redispatch_authorized:
-        engine.park_needs_attention(
-            lease,
-            Run.Reason.UNKNOWN_OUTCOME,
-            f"{call.tool_name}: the lookup found nothing under key {call.idempotency_key}; "
-            "the tool sends again only when a person says so (resend: person)",
-        )
+    if engine.resend_needs_person(tool, authorized=call.redispatch_authorized):
+        engine.park_resend_for_person(lease, call)
     call.refresh_from_db()
     return call
