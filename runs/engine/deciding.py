@@ -30,6 +30,7 @@ from runs.gate import gate_installed
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.record import transitions
 from runs.record.checkpoint import Checkpoint
+from runs.record.eventtypes import EventType
 from runs.record.runs import call_await_approval, run_pause
 from runs.registry import (
     AGENT_FAIL_CODES,
@@ -197,7 +198,7 @@ def _record_decided(cp: Checkpoint, lease: Lease, step: Step, call: ToolCall) ->
     cp.insert(step)
     call.step = step
     cp.event(
-        "step.decided",
+        EventType.STEP_DECIDED,
         seq=step.seq,
         kind=step.kind,
         tool=call.tool_name,
@@ -282,7 +283,7 @@ def decide_wait(lease: Lease, action: WaitForSignal | Sleep | AskQuestion, seq: 
         step = Step.objects.create(
             run_id=lease.run.id, seq=seq, kind=Step.Kind.WAIT, input=spec, incarnation=lease.fence
         )
-        cp.event("step.decided", seq=seq, kind=step.kind, wait=spec)
+        cp.event(EventType.STEP_DECIDED, seq=seq, kind=step.kind, wait=spec)
         cp.update(steps_used=F("steps_used") + 1)
         cp.boundary("decided")
         if isinstance(action, AskQuestion):
@@ -364,7 +365,7 @@ def _decide_family_call(
             precondition_fingerprint=fingerprint,
         )
         cp.event(
-            "step.decided",
+            EventType.STEP_DECIDED,
             seq=seq,
             kind=step.kind,
             tool=tool.name,

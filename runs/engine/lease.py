@@ -25,6 +25,7 @@ from runs.queue import enqueue_run
 from runs.record import transitions
 from runs.record.checkpoint import Checkpoint, checkpoint
 from runs.record.common import LIVE_FIELDS
+from runs.record.eventtypes import EventType
 from runs.record.runs import run_finish, run_park, run_pause, run_release
 from runs.registry import Agent, Tool, Usage
 
@@ -151,7 +152,11 @@ def _record_decision_usage(cp: Checkpoint, lease: Lease, usage: Usage) -> None:
     """Inside the ``decided`` commit: the step that commit creates carries the decision's
     tokens and cost, the run's persisted usage grows by them, and ``step.decided`` says so."""
     seq = max(
-        (event.payload.get("seq", 0) for event in cp.events if event.type == "step.decided"),
+        (
+            event.payload.get("seq", 0)
+            for event in cp.events
+            if event.type == EventType.STEP_DECIDED
+        ),
         default=None,
     )
     if seq is None:
@@ -166,7 +171,7 @@ def _record_decision_usage(cp: Checkpoint, lease: Lease, usage: Usage) -> None:
         )
     cp.update(tokens_used=F("tokens_used") + usage.tokens, cost_used=F("cost_used") + usage.cost)
     for event in cp.events:
-        if event.type == "step.decided":
+        if event.type == EventType.STEP_DECIDED:
             event.payload["usage"] = json.loads(
                 json.dumps(
                     {"tokens": usage.tokens, "cost": usage.cost, **usage.detail}, default=str
@@ -228,7 +233,7 @@ def finish(
             )
             cp.insert(step)
             lease.steps.append(step)
-            cp.event("step.decided", seq=seq, kind=kind)
+            cp.event(EventType.STEP_DECIDED, seq=seq, kind=kind)
             cp.update(steps_used=F("steps_used") + 1)
             cp.boundary("decided")
         run_finish(cp, status, result=result, reason=reason, detail=detail)

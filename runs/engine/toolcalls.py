@@ -32,6 +32,7 @@ from runs.gate import GateRefused, get_gate
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.record import transitions
 from runs.record.checkpoint import LeaseLost, lease_expiry
+from runs.record.eventtypes import EventType
 from runs.record.runs import call_await_approval, run_release
 from runs.registry import (
     Effect,
@@ -505,7 +506,7 @@ def _reconcile(
                 lookups_begun=F("lookups_begun") + 1,
             )
             cp.event(
-                "tool.reconcile_attempted",
+                EventType.TOOL_RECONCILE_ATTEMPTED,
                 seq=step.seq,
                 attempt=attempt,
                 outcome="found",
@@ -539,7 +540,7 @@ def _reconcile(
                 lookups_begun=F("lookups_begun") + 1,
             )
             cp.event(
-                "tool.reconcile_attempted",
+                EventType.TOOL_RECONCILE_ATTEMPTED,
                 seq=step.seq,
                 attempt=attempt,
                 outcome="absent",
@@ -564,7 +565,7 @@ def _reconcile(
                 reconcile_attempts=attempt, next_reconcile_at=None
             )
             cp.event(
-                "tool.reconcile_attempted",
+                EventType.TOOL_RECONCILE_ATTEMPTED,
                 seq=step.seq,
                 attempt=attempt,
                 outcome="unknown",
@@ -583,7 +584,7 @@ def _reconcile(
             reconcile_attempts=attempt, next_reconcile_at=next_at
         )
         cp.event(
-            "tool.reconcile_attempted",
+            EventType.TOOL_RECONCILE_ATTEMPTED,
             seq=step.seq,
             attempt=attempt,
             outcome="unknown",

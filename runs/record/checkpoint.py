@@ -31,6 +31,7 @@ from runs.models import Run, RunEvent
 from runs.record import machine, rows
 from runs.record.chain import anchor_hash, event_hash, payload_digest
 from runs.record.common import LOCKED_FIELDS, link_saved, write_rows
+from runs.record.eventtypes import KNOWN as KNOWN_EVENT_TYPES
 
 
 class LeaseLost(Exception):
@@ -97,12 +98,14 @@ class Checkpoint:
         # become strings) so the insert cannot fail and the digest hashed (at the write: the
         # payload may still be amended in the checkpoint's body) is the digest of what an
         # auditor reads back.
+        if type not in KNOWN_EVENT_TYPES:
+            raise ValueError(f"unknown event type {type!r}: list it in runs.record.eventtypes")
         payload = json.loads(json.dumps(payload, default=str))
         run = self.known
         self.events.append(
             Event(
                 run_id=run.id,
-                type=type,
+                type=str(type),
                 actor=self.actor,
                 channel=self.channel,
                 incarnation=self.fence if self.fence is not None else run.fence,

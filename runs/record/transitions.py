@@ -16,6 +16,7 @@ from runs.dbtime import DbNow, db_now_expression
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.record import machine
 from runs.record.checkpoint import Checkpoint
+from runs.record.eventtypes import EventType
 from runs.registry import Agent, StepView
 
 
@@ -63,7 +64,7 @@ def record_receipt(
     cp.insert(receipt)
     cp.save_fields(call, ["status", "updated_at"])
     cp.event(
-        "tool.succeeded" if ok else "tool.failed",
+        EventType.TOOL_SUCCEEDED if ok else EventType.TOOL_FAILED,
         seq=call.step.seq,
         tool=call.tool_name,
         attempt=call.attempt_count,
@@ -107,7 +108,7 @@ def fail_step(cp: Checkpoint, *, run: Run, agent: Agent, step: Step, error: str)
     step.error = error
     step.completed_at = timezone.now()
     cp.save_fields(step, ["status", "error", "completed_at"])
-    cp.event("step.failed", seq=step.seq, error=error)
+    cp.event(EventType.STEP_FAILED, seq=step.seq, error=error)
     apply_to_state(cp, run=run, agent=agent, step=step)
 
 
@@ -126,7 +127,9 @@ def call_cancel(cp: Checkpoint, call: ToolCall, *, reason: str, **detail: Any) -
     """``cancelled``: a call that never left (its approval, if any, is withdrawn by the
     caller through the gate first)."""
     _move_call(call, ToolCall.Status.CANCELLED)
-    cp.event("tool.cancelled", seq=call.step.seq, tool=call.tool_name, reason=reason, **detail)
+    cp.event(
+        EventType.TOOL_CANCELLED, seq=call.step.seq, tool=call.tool_name, reason=reason, **detail
+    )
 
 
 def call_unknown(cp: Checkpoint, call: ToolCall, error: str, *, attempt: bool = True) -> None:
@@ -134,7 +137,7 @@ def call_unknown(cp: Checkpoint, call: ToolCall, error: str, *, attempt: bool = 
     person, never blindly repeated."""
     _move_call(call, ToolCall.Status.UNKNOWN, last_error=error)
     cp.event(
-        "tool.unknown",
+        EventType.TOOL_UNKNOWN,
         seq=call.step.seq,
         tool=call.tool_name,
         **({"attempt": call.attempt_count} if attempt else {}),
@@ -163,7 +166,7 @@ def call_dispatching(
     call.landing_deadline = DbNow(landing)
     call.dispatch_incarnation = fence
     cp.event(
-        "tool.dispatching",
+        EventType.TOOL_DISPATCHING,
         seq=call.step.seq,
         tool=call.tool_name,
         attempt=call.attempt_count,
@@ -227,7 +230,7 @@ def call_absent_accepted(cp: Checkpoint, call: ToolCall, *, lookup: int, **event
         updated_at=timezone.now(),
     )
     cp.event(
-        "tool.reconcile_attempted",
+        EventType.TOOL_RECONCILE_ATTEMPTED,
         seq=call.step.seq,
         attempt=attempt,
         outcome="absent",
@@ -250,7 +253,7 @@ def call_in_doubt(cp: Checkpoint, call: ToolCall, *, sibling: ToolCall, seq: int
         f"({sibling.status}) with no receipt"
     )
     cp.event(
-        "tool.unknown",
+        EventType.TOOL_UNKNOWN,
         seq=seq,
         tool=call.tool_name,
         attempt=0,
@@ -304,7 +307,7 @@ def step_refused(
     bad arguments, a wait it cannot keep). A failed step the agent sees; nothing happens."""
     step = step_ended(run_id, seq=seq, kind=kind, incarnation=incarnation, input=input, error=error)
     step.save(force_insert=True)
-    cp.event("step.decided", seq=seq, kind=kind, **event, refused=error)
+    cp.event(EventType.STEP_DECIDED, seq=seq, kind=kind, **event, refused=error)
     cp.update(steps_used=F("steps_used") + 1)
     cp.boundary("decided")
     return step

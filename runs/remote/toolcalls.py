@@ -19,6 +19,7 @@ from runs.gate import get_gate
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.record import transitions
 from runs.record.checkpoint import LeaseLost
+from runs.record.eventtypes import EventType
 from runs.registry import CallTool, Effect, Resend, Tool, UnknownTool, digest, registry
 from runs.remote.lease import (
     RemoteLease,
@@ -455,7 +456,7 @@ def remote_toolcall_lookup_begin(
                 else call.landing_deadline
             )
         cp.event(
-            "tool.lookup_begun",
+            EventType.TOOL_LOOKUP_BEGUN,
             seq=call.step.seq,
             lookup=call.lookups_begun,
             started_at=call.lookup_started_at.isoformat(),
@@ -523,7 +524,7 @@ def remote_toolcall_receipt(
                 attempt = call.reconcile_attempts + 1
                 ToolCall.objects.filter(id=call.id).update(reconcile_attempts=attempt)
                 cp.event(
-                    "tool.reconcile_attempted",
+                    EventType.TOOL_RECONCILE_ATTEMPTED,
                     seq=step.seq,
                     attempt=attempt,
                     outcome="unknown",
@@ -550,7 +551,7 @@ def remote_toolcall_receipt(
                 reconcile_attempts=attempt, next_reconcile_at=None
             )
             cp.event(
-                "tool.reconcile_attempted",
+                EventType.TOOL_RECONCILE_ATTEMPTED,
                 seq=step.seq,
                 attempt=attempt,
                 outcome="found" if ok else "failed",
