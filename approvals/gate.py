@@ -10,6 +10,7 @@ from approvals.models import Approval
 from approvals.notify import links_create_and_email
 from runs.dbtime import db_now
 from runs.gate import GateRefused, GateView
+from runs.record.eventtypes import EventType
 
 
 class ApprovalsGate:
@@ -47,7 +48,7 @@ class ApprovalsGate:
             expires_at=db_now() + timedelta(seconds=policy.ttl_seconds),
         )
         cp.event(
-            "approval.requested",
+            EventType.APPROVAL_REQUESTED,
             approval=approval.id,
             seq=call.step.seq,
             tool=call.tool_name,
@@ -75,7 +76,7 @@ class ApprovalsGate:
         ).update(consumed_at=Now())
         if consumed != 1:
             raise GateRefused("no unconsumed approval bound to this call")
-        cp.event("approval.consumed", seq=call.step.seq, tool=call.tool_name)
+        cp.event(EventType.APPROVAL_CONSUMED, seq=call.step.seq, tool=call.tool_name)
 
     def cancel(self, *, cp, call, reason) -> None:
         live = Approval.objects.filter(
@@ -87,4 +88,4 @@ class ApprovalsGate:
             approval.status = Approval.Status.CANCELLED
             approval.reason = reason
             approval.save(update_fields=["status", "reason"])
-            cp.event("approval.cancelled", approval=approval.id, reason=reason)
+            cp.event(EventType.APPROVAL_CANCELLED, approval=approval.id, reason=reason)

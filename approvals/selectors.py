@@ -10,6 +10,7 @@ from django.utils import timezone
 
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs.models import ApiToken, RunEvent, Step, ToolCall
+from runs.record.eventtypes import EventType
 
 
 def _visible_to(user: Any) -> QuerySet[Approval]:
@@ -222,7 +223,12 @@ def approvals_needing_me(user: Any, limit: int) -> list[Any]:
 
 # Who drove a run, from its record: these events name the person who started, forked,
 # signalled or resolved it (DESIGN §9: nobody who drove a run approves its calls)
-DRIVING_EVENTS = ("run.created", "run.forked", "run.signalled", "tool.resolved")
+DRIVING_EVENTS = (
+    EventType.RUN_CREATED,
+    EventType.RUN_FORKED,
+    EventType.RUN_SIGNALLED,
+    EventType.TOOL_RESOLVED,
+)
 
 
 def duty_conflict(*, user: Any, approval: Approval, principal_id: Any) -> str:

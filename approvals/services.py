@@ -20,6 +20,7 @@ from runs.dbtime import db_now
 from runs.masking import UNMASKED, maskers_for_ids
 from runs.models import ToolCall
 from runs.record.checkpoint import checkpoint
+from runs.record.eventtypes import EventType
 from runs.registry import UnknownTool, digest, registry
 from runs.services import InvalidInput, InvalidState, toolcall_gate_settled
 
@@ -148,7 +149,9 @@ def approval_decide(
                 decision=decision,
                 comment=comment,
             )
-            cp.event("approval.commented", approval=approval.id, by=actor.label, comment=comment)
+            cp.event(
+                EventType.APPROVAL_COMMENTED, approval=approval.id, by=actor.label, comment=comment
+            )
             return approval
         if approval.decisions.filter(decider=user, decision__in=ApprovalDecision.DECIDING).exists():
             raise AlreadyDecided("you have already decided this approval")
@@ -177,7 +180,7 @@ def approval_decide(
             decision == ApprovalDecision.Decision.REJECT or approvals >= approval.required_count
         )
         cp.event(
-            "approval.decided",
+            EventType.APPROVAL_DECIDED,
             approval=approval.id,
             decision=decision,
             by=actor.label,
@@ -332,7 +335,7 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
         approval.decided_at = timezone.now()
         approval.reason = f"expired at {approval.expires_at.isoformat()}"
         approval.save(update_fields=["status", "decided_at", "reason"])
-        cp.event("approval.expired", approval=approval.id, on_expiry=approval.on_expiry)
+        cp.event(EventType.APPROVAL_EXPIRED, approval=approval.id, on_expiry=approval.on_expiry)
         notify.principal_notice_enqueue(
             approval=approval, principal=cp.run.principal, what="expired"
         )
@@ -371,7 +374,7 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
                     expires_at=db_now() + timedelta(seconds=ttl_seconds),
                 )
                 cp.event(
-                    "approval.requested",
+                    EventType.APPROVAL_REQUESTED,
                     approval=escalated.id,
                     seq=call.step.seq,
                     tool=call.tool_name,
@@ -433,6 +436,6 @@ def approvals_remind_due(*, limit: int = 200) -> int:
                 principal_id=cp.run.principal_id,
                 kind=ApprovalLink.Kind.REMINDER,
             )
-            cp.event("approval.reminder_due", approval=approval_id, recipients=count)
+            cp.event(EventType.APPROVAL_REMINDER_DUE, approval=approval_id, recipients=count)
             reminded += 1
     return reminded

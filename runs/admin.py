@@ -65,6 +65,7 @@ from runs.models import (
     WebhookDelivery,
     Worker,
 )
+from runs.record.eventtypes import EventType
 from runs.services import (
     InvalidInput,
     InvalidState,
@@ -73,7 +74,6 @@ from runs.services import (
     run_retry_recovery,
     run_terminate,
 )
-from runs.timeline import EVENT_TYPES
 from runs.tokens import api_token_create, api_token_revoke
 
 # --- building blocks --------------------------------------------------------------------------
@@ -368,7 +368,7 @@ class EventTypeFilter(admin.SimpleListFilter):
     parameter_name = "type"
 
     def lookups(self, request, model_admin):
-        return [(name, name) for name in EVENT_TYPES]
+        return sorted(EventType.choices)
 
     def queryset(self, request, queryset):
         return queryset.filter(type=self.value()) if self.value() else queryset

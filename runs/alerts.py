@@ -42,6 +42,7 @@ from django.urls import NoReverseMatch, reverse
 from runs import outbox
 from runs.masking import maskers_for_ids
 from runs.models import Alert, OutboxMessage, Run, RunEvent, Worker
+from runs.record.eventtypes import EventType
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +137,7 @@ def _run_alerts() -> list[Alert]:
     """Runs in ``needs_attention``. The cause carries the seq of the ``run.needs_attention``
     event, so a run that is retried and parks again alerts again — once per time it parks."""
     latest_event = (
-        RunEvent.objects.filter(run_id=OuterRef("pk"), type="run.needs_attention")
+        RunEvent.objects.filter(run_id=OuterRef("pk"), type=EventType.RUN_NEEDS_ATTENTION)
         .order_by()
         .values("run_id")
         .annotate(seq=Max("seq"))

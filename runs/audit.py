@@ -39,6 +39,7 @@ from django.utils import timezone
 
 from runs.models import AuditEntry, Run, RunEvent
 from runs.record.chain import anchor_hash, event_hash, payload_digest
+from runs.record.eventtypes import EventType
 
 # --- run event chains -------------------------------------------------------------------------
 
@@ -617,7 +618,7 @@ def group_snapshot(group: Any) -> dict[str, Any]:
 # Every event (with its masked payload) and every digest is kept, so the chains still verify,
 # and a ``run.pruned`` event records what was emptied, by whom, and where it was archived.
 
-PRUNED_EVENT = "run.pruned"
+PRUNED_EVENT = EventType.RUN_PRUNED
 
 
 def prune_candidates(older_than: timedelta) -> QuerySet:

@@ -43,6 +43,7 @@ from django.db import connection
 from runs import metrics
 from runs.models import Run, ToolCall
 from runs.record.checkpoint import checkpoint
+from runs.record.eventtypes import EventType
 from runs.registry import (
     Action,
     Agent,
@@ -695,7 +696,7 @@ class LLMAgent(Agent):
         pinned now, once, with an event; whoever pins first wins."""
         with checkpoint(run_id, actor=f"agent:{self.name}", channel="worker") as cp:
             if Run.objects.filter(id=run_id, model_id="").update(model_id=model):
-                cp.event("run.model_pinned", model=model)
+                cp.event(EventType.RUN_MODEL_PINNED, model=model)
         return Run.objects.filter(id=run_id).values_list("model_id", flat=True)[0]
 
     def _action(self, message: Mapping[str, Any]) -> tuple[Action | None, str]:

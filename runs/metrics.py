@@ -33,6 +33,8 @@ from prometheus_client.core import (
     Metric,
 )
 
+from runs.record.eventtypes import EventType
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 STEP_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0)
 # the step-duration histogram covers the steps completed this long before the scrape
@@ -150,21 +152,27 @@ def collect_runs() -> Iterator[Metric]:
     yield calls
 
     event_counts = dict(
-        RunEvent.objects.filter(type__in=("tool.unknown", "run.lease_lost", "agent.postponed"))
+        RunEvent.objects.filter(
+            type__in=(EventType.TOOL_UNKNOWN, EventType.RUN_LEASE_LOST, EventType.AGENT_POSTPONED)
+        )
         .values_list("type")
         .annotate(n=Count("id"))
         .order_by()
     )
     for name, type_, text in (
-        ("agentops_unknown_outcomes", "tool.unknown", "Tool calls whose outcome became unknown."),
+        (
+            "agentops_unknown_outcomes",
+            EventType.TOOL_UNKNOWN,
+            "Tool calls whose outcome became unknown.",
+        ),
         (
             "agentops_lease_losses",
-            "run.lease_lost",
+            EventType.RUN_LEASE_LOST,
             "Incarnations that found their lease taken by another worker.",
         ),
         (
             "agentops_decisions_postponed",
-            "agent.postponed",
+            EventType.AGENT_POSTPONED,
             "Decisions postponed because the model API was unavailable.",
         ),
     ):

@@ -35,6 +35,7 @@ from runs.models import (
     ToolCall,
     Worker,
 )
+from runs.record.eventtypes import EventType
 
 # what the runs list shows; nothing else is loaded (state, input and result can be large)
 _LIST_FIELDS = (
@@ -210,9 +211,9 @@ def run_detail(*, run_id: Any) -> RunDetail:
     # always counted, so the page's query count does not depend on how many calls there are
     calls_total = ToolCall.objects.filter(run_id=run.id).count()
     # runs never imports approvals: the approval ids come from the run's own record
-    requested = RunEvent.objects.filter(run_id=run.id, type="approval.requested").order_by("-seq")[
-        :CALLS_SHOWN
-    ]
+    requested = RunEvent.objects.filter(run_id=run.id, type=EventType.APPROVAL_REQUESTED).order_by(
+        "-seq"
+    )[:CALLS_SHOWN]
     approvals: dict[int, int] = {}
     for event in requested:
         approvals.setdefault(event.payload.get("seq"), event.payload.get("approval"))
@@ -245,7 +246,7 @@ def toolcall_latest_lookups(events: list[RunEvent]) -> dict[tuple[Any, Any], dic
     from events already loaded (the unknown-outcomes pages load them anyway)."""
     latest: dict[tuple[Any, Any], tuple[int, dict]] = {}
     for event in events:
-        if event.type != "tool.reconcile_attempted" or not isinstance(event.payload, dict):
+        if event.type != EventType.TOOL_RECONCILE_ATTEMPTED or not isinstance(event.payload, dict):
             continue
         key = (event.run_id, event.payload.get("seq"))
         if key not in latest or latest[key][0] < event.seq:
@@ -276,7 +277,9 @@ def toolcall_absence_proven(*, call: ToolCall, latest_lookup: Any = _NOT_LOADED)
     if latest_lookup is _NOT_LOADED:
         latest_lookup = (
             RunEvent.objects.filter(
-                run_id=call.run_id, type="tool.reconcile_attempted", payload__seq=call.step.seq
+                run_id=call.run_id,
+                type=EventType.TOOL_RECONCILE_ATTEMPTED,
+                payload__seq=call.step.seq,
             )
             .order_by("-seq")
             .values_list("payload", flat=True)
@@ -293,10 +296,10 @@ def toolcall_absence_proven(*, call: ToolCall, latest_lookup: Any = _NOT_LOADED)
 
 # the tool-call events that tell an unknown outcome's story in the inbox
 OUTCOME_EVENT_TYPES = (
-    "tool.dispatching",
-    "tool.unknown",
-    "tool.reconcile_attempted",
-    "tool.resolved",
+    EventType.TOOL_DISPATCHING,
+    EventType.TOOL_UNKNOWN,
+    EventType.TOOL_RECONCILE_ATTEMPTED,
+    EventType.TOOL_RESOLVED,
 )
 
 
@@ -352,7 +355,7 @@ def unknown_for_triage(
         return [], []
     events = list(
         RunEvent.objects.filter(
-            run_id__in={call.run_id for call in calls}, type="tool.reconcile_attempted"
+            run_id__in={call.run_id for call in calls}, type=EventType.TOOL_RECONCILE_ATTEMPTED
         ).only("id", "run_id", "seq", "type", "payload")
     )
     return calls, events

@@ -22,6 +22,7 @@ from runs.queue import enqueue_on_commit
 from runs.record import runs as record_runs
 from runs.record import transitions
 from runs.record.checkpoint import Checkpoint, checkpoint
+from runs.record.eventtypes import EventType
 from runs.record.runs import run_pause as record_pause
 from runs.record.runs import run_queue
 from runs.record.runs import run_terminate as record_terminate
@@ -139,7 +140,7 @@ def run_create(
         )
         with checkpoint(run.id, actor=actor.label, channel=actor.channel) as cp:
             cp.event(
-                "run.created",
+                EventType.RUN_CREATED,
                 agent=agent.name,
                 agent_version=agent.version,
                 goal=goal,
@@ -186,7 +187,7 @@ def run_promote(*, run_id: Any, actor: Actor) -> Run:
             else None,
             promoted_from=source,
         )
-        cp.event("run.promoted", to_run=str(run.id), by=actor.label)
+        cp.event(EventType.RUN_PROMOTED, to_run=str(run.id), by=actor.label)
     return run
 
 
@@ -204,7 +205,7 @@ def run_terminate(*, run_id: Any, actor: Actor, reason: str) -> Run:
         if cp.run.status in Run.TERMINAL:
             raise InvalidState(f"run is already {cp.run.status}")
         if cp.run.status == Run.Status.RUNNING and _lease_is_live(run_id):
-            cp.event("run.terminate_requested", by=actor.label, reason=reason)
+            cp.event(EventType.RUN_TERMINATE_REQUESTED, by=actor.label, reason=reason)
             cp.update(
                 requested_action=Run.Request.TERMINATE,
                 requested_by=actor.label,
@@ -222,7 +223,7 @@ def run_pause(*, run_id: Any, actor: Actor, reason: str = "") -> Run:
         if status not in (Run.Status.QUEUED, Run.Status.RUNNING):
             raise InvalidState(f"a {status} run cannot be paused")
         if status == Run.Status.RUNNING and _lease_is_live(run_id):
-            cp.event("run.pause_requested", by=actor.label, reason=reason)
+            cp.event(EventType.RUN_PAUSE_REQUESTED, by=actor.label, reason=reason)
             cp.update(
                 requested_action=Run.Request.PAUSE,
                 requested_by=actor.label,
@@ -333,7 +334,7 @@ def toolcall_resolve(
                 "confirm the risk to dispatch it again"
             )
         cp.event(
-            "tool.resolved",
+            EventType.TOOL_RESOLVED,
             seq=call.step.seq,
             tool=call.tool_name,
             idempotency_key=call.idempotency_key,
@@ -478,7 +479,7 @@ def run_topup_budget(
             raise BudgetExhausted(f"the budget would still be exhausted: {still}")
         after = _limits(run)
         cp.event(
-            "run.budget_topped_up",
+            EventType.RUN_BUDGET_TOPPED_UP,
             by=actor.label,
             before=before,
             after=after,
@@ -539,10 +540,12 @@ def run_retry_recovery(*, run_id: Any, actor: Actor) -> Run:
             except UnknownAgent as exc:
                 raise InvalidState(str(exc)) from None
             to = _configured_model(agent, run)
-            cp.event("run.model_changed", **{"from": run.model_id, "to": to}, by=actor.label)
+            cp.event(
+                EventType.RUN_MODEL_CHANGED, **{"from": run.model_id, "to": to}, by=actor.label
+            )
             cp.update(model_id=to)
         cp.event(
-            "run.recovery_retried",
+            EventType.RUN_RECOVERY_RETRIED,
             by=actor.label,
             recovery_count=run.recovery_count,
             reason=run.reason_code,
@@ -605,7 +608,7 @@ def run_fork(
         source = Run.objects.get(id=run_id)
         if source.status == Run.Status.RUNNING and _lease_is_live(run_id):
             raise InvalidState("the run is being driven: pause or terminate it first")
-        if RunEvent.objects.filter(run_id=run_id, type="run.pruned").exists():
+        if RunEvent.objects.filter(run_id=run_id, type=EventType.RUN_PRUNED).exists():
             # ``prune`` emptied its step outputs: a state rebuilt from them would be wrong
             raise InvalidState("the run's step data was pruned (retention); it cannot be forked")
         family = Run.objects.filter(root_run_id=source.root_run_id or source.id)
@@ -658,10 +661,10 @@ def run_fork(
         signals = _carry_signals(fork, source, from_step)
         if source.status not in Run.TERMINAL:
             record_terminate(cp, by=actor.label, reason=f"forked to run {new_id}")
-        cp.event("run.forked", to_run=new_id, from_step=from_step, by=actor.label)
+        cp.event(EventType.RUN_FORKED, to_run=new_id, from_step=from_step, by=actor.label)
         with checkpoint(new_id, actor=actor.label, channel=actor.channel) as fork_cp:
             fork_cp.event(
-                "run.created",
+                EventType.RUN_CREATED,
                 agent=agent.name,
                 agent_version=agent.version,
                 goal=fork.goal,
@@ -670,7 +673,7 @@ def run_fork(
                 **({"dry_run": True} if fork.dry_run else {}),
             )
             fork_cp.event(
-                "run.forked",
+                EventType.RUN_FORKED,
                 from_run=source.id,
                 from_step=from_step,
                 from_agent_version=source.agent_version,

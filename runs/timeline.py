@@ -25,88 +25,47 @@ from typing import Any
 
 from runs import jsonlimits
 from runs.masking import UNMASKED, Masker
+from runs.record.eventtypes import EventType
 from runs.registry import call_summary
 
-# Every event type the engine, the services and the approvals app write (DESIGN §2 and the
-# additions since). The admin's filter and the console's event search offer
-# these; any other type is still found by search.
-EVENT_TYPES = sorted(
-    {
-        "run.created",
-        "run.claimed",
-        "run.released",
-        "run.handed_off",
-        "run.lease_lost",
-        "step.decided",
-        "approval.requested",
-        "approval.decided",
-        "approval.commented",
-        "approval.expired",
-        "approval.cancelled",
-        "tool.dispatching",
-        "tool.succeeded",
-        "tool.failed",
-        "tool.unknown",
-        "tool.reconcile_attempted",
-        "tool.resolved",
-        "run.migrated",
-        "run.model_changed",
-        "run.model_pinned",
-        "run.forked",
-        # a finished dry run started for real (issue 23)
-        "run.promoted",
-        "run.paused",
-        "run.pause_requested",
-        "run.resumed",
-        "run.needs_attention",
-        "run.budget_topped_up",
-        "run.recovery_retried",
-        "run.waiting",
-        "run.signalled",
-        "run.succeeded",
-        "run.failed",
-        "run.terminated",
-        "run.terminate_requested",
-        "run.pruned",
-        # the MCP gateway (agentops/mcp): a client's tools/call recorded in its run
-        "mcp.call_received",
-    }
-)
+# Every event type the record holds (runs.record.eventtypes): the admin's filter and the
+# console's event search offer these
+EVENT_TYPES = sorted(EventType.values)
 
 
 # Event types after which the worker that wrote them holds no lease any more.
 _RELEASING = frozenset(
     {
-        "run.released",
-        "run.needs_attention",
-        "run.paused",
-        "run.succeeded",
-        "run.failed",
-        "run.terminated",
+        EventType.RUN_RELEASED,
+        EventType.RUN_NEEDS_ATTENTION,
+        EventType.RUN_PAUSED,
+        EventType.RUN_SUCCEEDED,
+        EventType.RUN_FAILED,
+        EventType.RUN_TERMINATED,
         # waiting for an approval, a signal, a timer or an answer: the lease is released in
         # the same commit
-        "run.waiting",
+        EventType.RUN_WAITING,
     }
 )
 
 # The checkpoint boundary (DESIGN §4) whose commit contains an event of this type: where a
 # worker whose last commit held this event stopped.
 _BOUNDARY = {
-    "run.claimed": "claimed",
-    "run.migrated": "claimed",
-    "run.model_changed": "claimed",
-    "step.decided": "decided",
-    "approval.requested": "approval_requested",
-    "approval.consumed": "dispatching",
-    "tool.dispatching": "dispatching",
-    "tool.succeeded": "receipt_recorded",
-    "tool.failed": "receipt_recorded",
-    "step.failed": "step_completed",
-    "tool.unknown": "outcome unknown",
-    "tool.reconcile_attempted": "reconciliation",
-    "run.waiting": "waiting",
-    "run.wait_ended": "step_completed",
-    "run.wait_timed_out": "step_completed",
+    EventType.RUN_CLAIMED: "claimed",
+    EventType.RUN_MIGRATED: "claimed",
+    EventType.RUN_MODEL_CHANGED: "claimed",
+    EventType.STEP_DECIDED: "decided",
+    EventType.APPROVAL_REQUESTED: "approval_requested",
+    EventType.APPROVAL_CONSUMED: "dispatching",
+    EventType.TOOL_DISPATCHING: "dispatching",
+    EventType.TOOL_SUCCEEDED: "receipt_recorded",
+    EventType.TOOL_FAILED: "receipt_recorded",
+    EventType.STEP_FAILED: "step_completed",
+    EventType.TOOL_UNKNOWN: "outcome unknown",
+    EventType.TOOL_RECONCILE_ATTEMPTED: "reconciliation",
+    EventType.RUN_WAITING: "waiting",
+    EventType.RUN_WAIT_ENDED: "step_completed",
+    EventType.RUN_WAIT_TIMED_OUT: "step_completed",
 }
 
 
@@ -211,7 +170,7 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
     p = payload
     by = p.get("by") or actor
     match event_type:
-        case "run.created":
+        case EventType.RUN_CREATED:
             principal = p.get("principal")
             on_behalf = f" for {principal}" if principal else ""
             text = f"created on {p.get('agent')} v{p.get('agent_version')}{on_behalf}"
@@ -220,52 +179,52 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
             if p.get("promoted_from"):
                 text += f", promoted from the dry run {p['promoted_from']}"
             return text
-        case "run.promoted":
+        case EventType.RUN_PROMOTED:
             return f"promoted by {by}: started for real as run {p.get('to_run')}"
-        case "run.claimed":
+        case EventType.RUN_CLAIMED:
             how = "took over after a lost lease" if p.get("recovered") else "claimed the lease"
             return f"{p.get('worker')} {how} (incarnation {p.get('fence')})"
-        case "run.released":
+        case EventType.RUN_RELEASED:
             wake = f", wakes at {p['wake_at']}" if p.get("wake_at") else ""
             return f"released the lease ({p.get('status')}{wake})"
-        case "run.migrated":
+        case EventType.RUN_MIGRATED:
             return f"state migrated from v{p.get('from')} to v{p.get('to')}"
-        case "run.model_changed":
+        case EventType.RUN_MODEL_CHANGED:
             if p.get("by"):
                 return f"model changed from {p.get('from')} to {p.get('to')} by {p['by']}"
             return f"model changed from {p.get('from')} to {p.get('to')} (agent follows its model)"
-        case "run.handed_off":
+        case EventType.RUN_HANDED_OFF:
             to = ", ".join(map(str, p.get("to") or ()))
             return f"{p.get('worker')} handed the run to {to}: {p.get('reason')}"
-        case "run.model_pinned":
+        case EventType.RUN_MODEL_PINNED:
             return f"model pinned: {p.get('model')}"
-        case "step.decided":
+        case EventType.STEP_DECIDED:
             kind = p.get("kind", "")
             what = f" → {p['tool']}" if p.get("tool") else ""
             refused = f" (refused: {p['refused']})" if p.get("refused") else ""
             return f"step #{p.get('seq')} decided: {kind}{what}{refused}"
-        case "step.failed":
+        case EventType.STEP_FAILED:
             return f"step #{p.get('seq')} failed: {p.get('error', '')}"
-        case "tool.dispatching":
+        case EventType.TOOL_DISPATCHING:
             simulated = " (dry run: simulated, nothing sent)" if p.get("simulated") else ""
             return f"{_call(p)} dispatching{simulated}, attempt {p.get('attempt')}"
-        case "tool.succeeded" | "tool.failed":
+        case EventType.TOOL_SUCCEEDED | EventType.TOOL_FAILED:
             outcome = event_type.split(".")[1]
             ref = f", ref {p['external_ref']}" if p.get("external_ref") else ""
             return f"{_call(p)} → {outcome} (from {p.get('source', 'tool')}{ref})"
-        case "tool.unknown":
+        case EventType.TOOL_UNKNOWN:
             error = f": {p['error']}" if p.get("error") else ""
             return f"{_call(p)} outcome unknown{error}"
-        case "tool.reconcile_attempted":
+        case EventType.TOOL_RECONCILE_ATTEMPTED:
             detail = f" ({p['detail']})" if p.get("detail") else ""
             return f"{_call(p)} looked up by key, attempt {p.get('attempt')}: {p.get('outcome')}{detail}"
-        case "tool.resolved":
+        case EventType.TOOL_RESOLVED:
             risk = " (unsafe risk confirmed)" if p.get("confirmed_risk") else ""
             ref = f", ref {p['external_ref']}" if p.get("external_ref") else ""
             return f"{_call(p)} resolved as {p.get('outcome')} by {by}{ref}{risk}"
-        case "tool.cancelled":
+        case EventType.TOOL_CANCELLED:
             return f"{_call(p)} cancelled ({p.get('reason', '')})"
-        case "approval.requested":
+        case EventType.APPROVAL_REQUESTED:
             what = ""
             if p.get("tool") and isinstance(p.get("arguments"), Mapping):
                 what = f": {call_summary(p['tool'], p['arguments'])}"
@@ -273,33 +232,33 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
                 f"approval #{p.get('approval')} requested for {_call(p)} from {p.get('group')}"
                 + what
             )
-        case "approval.decided":
+        case EventType.APPROVAL_DECIDED:
             return f"approval #{p.get('approval')} {p.get('decision')} by {by}"
-        case "approval.consumed":
+        case EventType.APPROVAL_CONSUMED:
             return f"approval for {_call(p)} consumed"
-        case "approval.expired" | "approval.cancelled":
+        case EventType.APPROVAL_EXPIRED | EventType.APPROVAL_CANCELLED:
             return f"approval #{p.get('approval')} {event_type.split('.')[1]}"
-        case "run.waiting":
+        case EventType.RUN_WAITING:
             return f"waiting on {p.get('on')}" + (f" for {_call(p)}" if p.get("tool") else "")
-        case "run.needs_attention":
+        case EventType.RUN_NEEDS_ATTENTION:
             return f"needs attention: {p.get('reason')} — {p.get('detail', '')}"
-        case "run.paused":
+        case EventType.RUN_PAUSED:
             reason = f": {p['reason']}" if p.get("reason") else ""
             return f"paused by {by}{reason}"
-        case "run.pause_requested" | "run.terminate_requested":
+        case EventType.RUN_PAUSE_REQUESTED | EventType.RUN_TERMINATE_REQUESTED:
             action = event_type.split(".")[1].removesuffix("_requested")
             return f"{action} requested by {by}: {p.get('reason') or 'no reason given'}"
-        case "run.resumed":
+        case EventType.RUN_RESUMED:
             return f"resumed by {by}"
-        case "run.terminated":
+        case EventType.RUN_TERMINATED:
             return f"terminated by {by}: {p.get('reason', '')}"
-        case "run.budget_topped_up":
+        case EventType.RUN_BUDGET_TOPPED_UP:
             return f"budget topped up by {by}: {_limits_change(p)}"
-        case "run.recovery_retried":
+        case EventType.RUN_RECOVERY_RETRIED:
             if p.get("reason") not in (None, "recovery_limit"):
                 return f"retried by {by} after {p['reason']}"
             return f"recovery retried by {by} (recovered {p.get('recovery_count')} times so far)"
-        case "run.forked":
+        case EventType.RUN_FORKED:
             if p.get("to_run"):
                 return f"forked by {by} from step #{p.get('from_step')} to run {p['to_run']}"
             text = f"forked by {by} from run {p.get('from_run')} at step #{p.get('from_step')}"
@@ -310,26 +269,26 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
             if p.get("carried_signals"):
                 text += f", with signals {', '.join(map(str, p['carried_signals']))}"
             return text
-        case "run.succeeded" | "run.failed":
+        case EventType.RUN_SUCCEEDED | EventType.RUN_FAILED:
             reason = f": {p['reason']}" if p.get("reason") else ""
             return f"{event_type.split('.')[1]}{reason}"
-        case "run.signalled":
+        case EventType.RUN_SIGNALLED:
             return f"signal {p.get('name')!r} received from {actor}"
-        case "mcp.call_received":
+        case EventType.MCP_CALL_RECEIVED:
             key = f", client key {p['client_key']}" if p.get("client_key") else ""
             return f"MCP call #{p.get('position')} → {p.get('tool')} received from {actor}{key}"
-        case "question.asked":
+        case EventType.QUESTION_ASKED:
             return f"question #{p.get('question_id')} asked of {p.get('group')}"
-        case "question.answered":
+        case EventType.QUESTION_ANSWERED:
             return f"question #{p.get('question_id')} answered by {by}"
-        case "question.email_sent" | "approval.email_sent":
+        case EventType.QUESTION_EMAIL_SENT | EventType.APPROVAL_EMAIL_SENT:
             subject = _emailed_about(event_type, p)
             again = " again" if p.get("resent") else ""
             return f"{subject} emailed{again} to {p.get('to')}"
-        case "question.email_failed" | "approval.email_failed":
+        case EventType.QUESTION_EMAIL_FAILED | EventType.APPROVAL_EMAIL_FAILED:
             subject = _emailed_about(event_type, p)
             return f"{subject}: email to {p.get('to')} failed ({p.get('error')})"
-        case "question.link_used" | "approval.link_used":
+        case EventType.QUESTION_LINK_USED | EventType.APPROVAL_LINK_USED:
             subject = _emailed_about(event_type, p)
             return f"{subject}: emailed link used by {p.get('by') or by}"
     return event_type
@@ -354,30 +313,32 @@ def _limits_change(p: Mapping[str, Any]) -> str:
 def _note(event_type: str, p: Mapping[str, Any]) -> str:
     """What an incarnation did that an operator reading its summary looks for."""
     match event_type:
-        case "tool.succeeded" | "tool.failed" if p.get("source") == "reconciliation":
+        case EventType.TOOL_SUCCEEDED | EventType.TOOL_FAILED if (
+            p.get("source") == "reconciliation"
+        ):
             return f"reconciled {_call(p)} → {event_type.split('.')[1]}"
-        case "tool.reconcile_attempted" if p.get("outcome") != "found":
+        case EventType.TOOL_RECONCILE_ATTEMPTED if p.get("outcome") != "found":
             return f"looked up {_call(p)}: {p.get('outcome')}"
-        case "tool.unknown":
+        case EventType.TOOL_UNKNOWN:
             return f"{_call(p)} outcome unknown"
-        case "run.migrated":
+        case EventType.RUN_MIGRATED:
             return f"migrated v{p.get('from')} → v{p.get('to')}"
-        case "run.model_changed":
+        case EventType.RUN_MODEL_CHANGED:
             return f"model {p.get('from')} → {p.get('to')}"
-        case "tool.dispatching" if (p.get("attempt") or 0) > 1:
+        case EventType.TOOL_DISPATCHING if (p.get("attempt") or 0) > 1:
             return f"dispatched {_call(p)} again (attempt {p.get('attempt')})"
     return ""
 
 
 def _closing_text(event_type: str, p: Mapping[str, Any]) -> str:
     match event_type:
-        case "run.released":
+        case EventType.RUN_RELEASED:
             return f"released the lease ({p.get('status')})"
-        case "run.needs_attention":
+        case EventType.RUN_NEEDS_ATTENTION:
             return f"stopped for a person ({p.get('reason')})"
-        case "run.waiting":
+        case EventType.RUN_WAITING:
             return f"released the lease, waiting on {p.get('on')}"
-        case "run.paused":
+        case EventType.RUN_PAUSED:
             return "paused"
     return f"finished the run ({event_type.removeprefix('run.')})"
 
@@ -408,7 +369,7 @@ def build(
         raw = event.payload or {}
         payload = mask(raw)
         worker = _worker_of(event.actor)
-        if since_claim is not None and event.type != "run.claimed":
+        if since_claim is not None and event.type != EventType.RUN_CLAIMED:
             since_claim.append(event.type)
         entry = Entry(
             seq=event.seq,
@@ -419,10 +380,10 @@ def build(
             incarnation=event.incarnation,
             text=describe(event.type, payload, event.actor),
             payload=payload,
-            step=steps.get(raw.get("seq")) if event.type == "step.decided" else None,
+            step=steps.get(raw.get("seq")) if event.type == EventType.STEP_DECIDED else None,
             by_person=event.actor.startswith("user:"),
         )
-        if event.type == "run.claimed":
+        if event.type == EventType.RUN_CLAIMED:
             if current is not None and not current.closed:
                 _mark_lost(current, by=worker)
             current = Group(
@@ -451,7 +412,10 @@ def build(
             if not groups or groups[-1].kind != "outside":
                 groups.append(Group(kind="outside", continued=continued and index == 0))
             groups[-1].entries.append(entry)
-            if event.type in ("run.terminated", "run.forked") and current is not None:
+            if (
+                event.type in (EventType.RUN_TERMINATED, EventType.RUN_FORKED)
+                and current is not None
+            ):
                 current.closed = True
             continue
         assert current is not None
@@ -464,7 +428,7 @@ def build(
                 current.closed = True
                 current.end = "released"
                 current.end_text = _closing_text(event.type, payload)
-        elif event.type == "run.terminated" and not current.closed:
+        elif event.type == EventType.RUN_TERMINATED and not current.closed:
             # an operator terminated the run while this incarnation's lease had expired:
             # this incarnation writes nothing more
             _mark_lost(current, by="")
@@ -488,19 +452,19 @@ def build(
 # wins): the fence still increments at every claim, but a claim after an approval is not a
 # recovery, and the timeline should not read like one.
 _CLAIM_CAUSES = (
-    ("run.recovery_retried", "after an operator's retry"),
-    ("run.resumed", "after an operator resumed it"),
-    ("approval.decided", "after the approval was decided"),
-    ("approval.expired", "after the approval expired"),
-    ("run.signalled", "after a signal"),
-    ("question.answered", "after its question was answered"),
-    ("run.wait_timed_out", "after its wait timed out"),
-    ("run.budget_topped_up", "after a budget top-up"),
-    ("tool.resolved", "after a person resolved a call"),
-    ("run.handed_off", "handed over by a worker of another release"),
-    ("agent.postponed", "after its decision was postponed"),
-    ("run.waiting", "after its wait"),
-    ("run.released", "for its next slice"),
+    (EventType.RUN_RECOVERY_RETRIED, "after an operator's retry"),
+    (EventType.RUN_RESUMED, "after an operator resumed it"),
+    (EventType.APPROVAL_DECIDED, "after the approval was decided"),
+    (EventType.APPROVAL_EXPIRED, "after the approval expired"),
+    (EventType.RUN_SIGNALLED, "after a signal"),
+    (EventType.QUESTION_ANSWERED, "after its question was answered"),
+    (EventType.RUN_WAIT_TIMED_OUT, "after its wait timed out"),
+    (EventType.RUN_BUDGET_TOPPED_UP, "after a budget top-up"),
+    (EventType.TOOL_RESOLVED, "after a person resolved a call"),
+    (EventType.RUN_HANDED_OFF, "handed over by a worker of another release"),
+    (EventType.AGENT_POSTPONED, "after its decision was postponed"),
+    (EventType.RUN_WAITING, "after its wait"),
+    (EventType.RUN_RELEASED, "for its next slice"),
 )
 
 
@@ -535,7 +499,7 @@ def step_seqs(events: Sequence[Any]) -> list[int]:
     return [
         e.payload["seq"]
         for e in events
-        if e.type == "step.decided" and isinstance((e.payload or {}).get("seq"), int)
+        if e.type == EventType.STEP_DECIDED and isinstance((e.payload or {}).get("seq"), int)
     ]
 
 

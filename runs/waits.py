@@ -36,6 +36,7 @@ from runs.dbtime import db_now
 from runs.models import Question, QuestionLink, Run, Signal, Step
 from runs.record import transitions
 from runs.record.checkpoint import Checkpoint, checkpoint
+from runs.record.eventtypes import EventType
 from runs.record.runs import run_await_event, run_queue
 from runs.registry import (
     Agent,
@@ -182,7 +183,7 @@ def question_create(cp: Checkpoint, *, step: Step) -> Question:
         default=step.input["default"],
     )
     cp.event(
-        "question.asked",
+        EventType.QUESTION_ASKED,
         question_id=question.id,
         seq=step.seq,
         group=question.group,
@@ -200,7 +201,7 @@ def park(cp: Checkpoint, *, step: Step, again: bool = False) -> None:
     wake_at = deadline(step)
     if not again:
         cp.event(
-            "run.waiting",
+            EventType.RUN_WAITING,
             on=step.input["wait"],
             seq=step.seq,
             name=step.input.get("name"),
@@ -208,7 +209,7 @@ def park(cp: Checkpoint, *, step: Step, again: bool = False) -> None:
         )
         cp.boundary("waiting")
     else:
-        cp.event("run.released", status=Run.Status.WAITING_EVENT, wake_at=_iso(wake_at))
+        cp.event(EventType.RUN_RELEASED, status=Run.Status.WAITING_EVENT, wake_at=_iso(wake_at))
     run_await_event(cp, wake_at=wake_at)
 
 
@@ -251,13 +252,13 @@ def end_wait_if_due(cp: Checkpoint, *, run: Run, agent: Agent, step: Step, now: 
         if question.status == Question.Status.OPEN and timed_out:
             question.status = Question.Status.EXPIRED
             question.save(update_fields=["status"])
-            cp.event("question.expired", question_id=question.id, seq=step.seq)
+            cp.event(EventType.QUESTION_EXPIRED, question_id=question.id, seq=step.seq)
     elif kind == "timer" and timed_out:
         _end(cp, run, agent, step, {"until": step.input["until"]}, ended_by="timer")
         return True
     if timed_out:
         cp.event(
-            "run.wait_timed_out",
+            EventType.RUN_WAIT_TIMED_OUT,
             seq=step.seq,
             on=kind,
             name=step.input.get("name"),
@@ -275,7 +276,7 @@ def _end(
     cp: Checkpoint, run: Run, agent: Agent, step: Step, output: Any, *, ended_by: str, **detail
 ) -> None:
     cp.event(
-        "run.wait_ended",
+        EventType.RUN_WAIT_ENDED,
         seq=step.seq,
         on=step.input["wait"],
         ended_by=ended_by,
@@ -361,7 +362,7 @@ def run_signal(
             step is not None and step.input.get("wait") == "signal" and step.input["name"] == name
         )
         cp.event(
-            "run.signalled",
+            EventType.RUN_SIGNALLED,
             name=name,
             signal_id=signal.id,
             idempotency_key=idempotency_key,
@@ -419,7 +420,7 @@ def question_answer(*, question_id: Any, answer: Any, actor: Actor) -> Question:
         question.status = Question.Status.ANSWERED
         question.save(update_fields=["answer", "answered_by", "channel", "answered_at", "status"])
         cp.event(
-            "question.answered",
+            EventType.QUESTION_ANSWERED,
             question_id=question.id,
             seq=question.step.seq,
             by=actor.label,

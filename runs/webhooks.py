@@ -52,6 +52,7 @@ from runs import faults, outbox
 from runs.masking import UNMASKED, maskers_for_ids
 from runs.models import ApiToken, WebhookDelivery
 from runs.record.checkpoint import Checkpoint, register_event_listener
+from runs.record.eventtypes import EventType
 
 log = logging.getLogger(__name__)
 
@@ -62,14 +63,14 @@ DELIVERY_HEADER = "Agentops-Webhook-Id"
 
 # run event type -> webhook event type
 EVENT_TYPES: dict[str, str] = {
-    "approval.decided": "approval.decided",
-    "run.needs_attention": "run.needs_attention",
-    "run.lease_expired": "run.lease_expired",
-    "run.wait_ended": "run.wait_ended",
-    "run.wait_timed_out": "run.wait_ended",
-    "run.succeeded": "run.finished",
-    "run.failed": "run.finished",
-    "run.terminated": "run.finished",
+    EventType.APPROVAL_DECIDED: "approval.decided",
+    EventType.RUN_NEEDS_ATTENTION: "run.needs_attention",
+    EventType.RUN_LEASE_EXPIRED: "run.lease_expired",
+    EventType.RUN_WAIT_ENDED: "run.wait_ended",
+    EventType.RUN_WAIT_TIMED_OUT: "run.wait_ended",
+    EventType.RUN_SUCCEEDED: "run.finished",
+    EventType.RUN_FAILED: "run.finished",
+    EventType.RUN_TERMINATED: "run.finished",
 }
 WEBHOOK_EVENTS = (
     "approval.decided",

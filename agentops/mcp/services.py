@@ -16,6 +16,7 @@ from agentops.mcp.models import GatewayCall, GatewaySession
 from runs.actors import DRIVE_REMOTE_RUN, Actor, PermissionDenied
 from runs.models import ApiToken, Run, Step
 from runs.record.checkpoint import checkpoint
+from runs.record.eventtypes import EventType
 from runs.registry import Tool, digest
 from runs.services import InvalidInput, InvalidState, run_create
 from runs.waits import run_signal
@@ -246,7 +247,7 @@ def _record(
             client_key=client_key,
         )
         cp.event(
-            "mcp.call_received",
+            EventType.MCP_CALL_RECEIVED,
             position=call.position,
             tool=tool_name,
             arguments_digest=arguments_digest,

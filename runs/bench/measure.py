@@ -33,6 +33,7 @@ from runs.bench.procs import (
     rss_bytes,
 )
 from runs.models import Run, RunEvent
+from runs.record.eventtypes import EventType
 
 SYSTEM = Actor.system("cli")
 __all__ = ["Context", "WorkerFailed"]
@@ -207,7 +208,7 @@ def throughput(ctx: Context, *, agent: str, workers: int, runs: int, steps: int)
     poller.close()
     commits = stable_commits(ctx.settings_dict) - commits_before - poller.transactions
     window = Run.objects.filter(id__in=run_ids).aggregate(last=Max("finished_at"))
-    first_claim = RunEvent.objects.filter(run_id__in=run_ids, type="run.claimed").aggregate(
+    first_claim = RunEvent.objects.filter(run_id__in=run_ids, type=EventType.RUN_CLAIMED).aggregate(
         first=Min("created_at")
     )["first"]
     succeeded = Run.objects.filter(id__in=run_ids, status=Run.Status.SUCCEEDED).count()
@@ -489,7 +490,7 @@ def approval_dispatch(ctx: Context, *, count: int) -> dict:
         for approval in Approval.objects.filter(run_id__in=run_ids).order_by("requested_at"):
             approval_decide(approval_id=approval.id, decision="approve", actor=actor)
             decided = (
-                RunEvent.objects.filter(run_id=approval.run_id, type="approval.decided")
+                RunEvent.objects.filter(run_id=approval.run_id, type=EventType.APPROVAL_DECIDED)
                 .values_list("created_at", flat=True)
                 .first()
             )

@@ -43,14 +43,19 @@ from runs.engine.loop import (
     set_stop_check,
 )
 from runs.engine.toolcalls import (
+    absent_proves_never_landed,
     can_land_until,
     complete_step,
     dispatch,
     fail_step,
     mark_unknown,
+    park_resend_for_person,
+    park_unknown_outcome,
     presend_row,
     record_receipt,
+    resend_needs_person,
     simulates,
+    unknown_needs_person,
 )
 from runs.record.checkpoint import lease_expiry
 
@@ -69,6 +74,11 @@ __all__ = [
     "complete_step",
     "continue_wait",
     "decide_call",
+    "absent_proves_never_landed",
+    "park_resend_for_person",
+    "park_unknown_outcome",
+    "resend_needs_person",
+    "unknown_needs_person",
     "decide_wait",
     "dispatch",
     "drive",

@@ -12,6 +12,7 @@ from django.db import transaction
 from runs.engine.lease import Lease, _conf
 from runs.models import Run, Step
 from runs.record import rows
+from runs.record.eventtypes import EventType
 from runs.registry import UnknownAgent, registry
 
 
@@ -49,7 +50,7 @@ def claim(
         )
         with lease.checkpoint(locked=run) as cp:
             cp.event(
-                "run.claimed",
+                EventType.RUN_CLAIMED,
                 worker=worker,
                 fence=run.fence,
                 recovered=recovered,

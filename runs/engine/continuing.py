@@ -19,6 +19,7 @@ from runs.engine.toolcalls import (
 from runs.gate import get_gate
 from runs.models import Run, RunEvent, Step, ToolCall, ToolReceipt
 from runs.record import transitions
+from runs.record.eventtypes import EventType
 from runs.record.runs import run_await_approval
 from runs.registry import Tool, UnknownTool, registry
 
@@ -108,14 +109,14 @@ def tool_accepts(lease: Lease, step: Step, call: ToolCall, tool: Tool | None) ->
     if tool.version != call.tool_version:
         recorded = RunEvent.objects.filter(
             run_id=lease.run.id,
-            type="tool.version_accepted",
+            type=EventType.TOOL_VERSION_ACCEPTED,
             payload__seq=step.seq,
             payload__to_version=tool.version,
         ).exists()
         if not recorded:
             with lease.checkpoint() as cp:
                 cp.event(
-                    "tool.version_accepted",
+                    EventType.TOOL_VERSION_ACCEPTED,
                     seq=step.seq,
                     tool=call.tool_name,
                     from_version=call.tool_version,
@@ -176,7 +177,7 @@ def _rebind_to_tool_version(lease: Lease, step: Step, call: ToolCall, tool: Tool
         get_gate().cancel(cp=cp, call=call, reason="tool_version_changed")
         transitions.call_rebind(call, tool, fingerprint=fingerprint, needs_approval=needs_approval)
         cp.event(
-            "tool.version_changed",
+            EventType.TOOL_VERSION_CHANGED,
             seq=step.seq,
             tool=call.tool_name,
             from_version=previous,

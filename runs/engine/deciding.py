@@ -28,8 +28,9 @@ from runs.engine.toolcalls import (
 )
 from runs.gate import gate_installed
 from runs.models import Run, Step, ToolCall, ToolReceipt
-from runs.record import rows, transitions
+from runs.record import transitions
 from runs.record.checkpoint import Checkpoint
+from runs.record.eventtypes import EventType
 from runs.record.runs import call_await_approval, run_pause
 from runs.registry import (
     AGENT_FAIL_CODES,
@@ -167,27 +168,21 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
         return _read_in_one_commit(lease, step, call, tool)
 
     # a call dispatched now: its step and row go with the events in the commit's one
-    # statement (a decision that cost tokens updates its step in the checkpoint's body, so
-    # that step is inserted at once); a hosted agent's such commit only records
-    at_commit = not (revoked or needs_approval) and lease.decision_usage is None
-    with lease.checkpoint(optimistic=at_commit and execute) as cp:
-        _record_decided(cp, lease, step, call, at_commit=at_commit)
+    # statement
+    with lease.checkpoint() as cp:
+        _record_decided(cp, lease, step, call)
+        cp.insert(call)
         if revoked:
             # the decision is kept (the agent is not asked again); it is dispatched, or sent
             # for approval, when the run is resumed with a principal allowed to use the tool
-            call.save(force_insert=True)
             run_pause(cp, by="system", code=Run.Reason.PRINCIPAL_REVOKED, detail=revoked)
         elif needs_approval:
             # decided + approval_requested share this commit: no external call between them
-            call_await_approval(cp, run=run, call=call, tool=tool, seq=seq, new=True)
+            call_await_approval(cp, run=run, call=call, tool=tool, seq=seq)
         else:
             # decided + dispatching share this commit: both come before the side effect
             if execute:
                 _mark_dispatching(cp, call, lease, tool)
-            if at_commit:
-                cp.insert(call)
-            else:
-                rows.insert(call)
     run.steps_used += 1
     lease.steps.append(step)
     if revoked or needs_approval:
@@ -197,19 +192,13 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
     return _execute(lease, step, call, tool)
 
 
-def _record_decided(
-    cp: Checkpoint, lease: Lease, step: Step, call: ToolCall, *, at_commit: bool = False
-) -> None:
-    """``decided`` for a tool call: its step (inserted here, or with ``at_commit`` in the
-    checkpoint's one statement) and the call's events. The call itself is inserted by the
-    caller once its status is known."""
-    if at_commit:
-        cp.insert(step)
-    else:
-        rows.insert(step)
+def _record_decided(cp: Checkpoint, lease: Lease, step: Step, call: ToolCall) -> None:
+    """``decided`` for a tool call: its step and the call's events. The call itself is
+    inserted by the caller (after its step)."""
+    cp.insert(step)
     call.step = step
     cp.event(
-        "step.decided",
+        EventType.STEP_DECIDED,
         seq=step.seq,
         kind=step.kind,
         tool=call.tool_name,
@@ -239,20 +228,20 @@ def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) ->
         with lease.checkpoint() as cp:
             _record_decided(cp, lease, step, call)
             _mark_dispatching(cp, call, lease, tool)
-            rows.insert(call)
+            cp.insert(call)
         lease.run.steps_used += 1
         lease.steps.append(step)
         mark_unknown(lease, call, error)
         return _reconcile(lease, step, call, tool)
     output = result.result if result else None
-    with lease.checkpoint(optimistic=True) as cp:
+    with lease.checkpoint() as cp:
         transitions.step_outcome(step, ok=ok, output=output, error=error)
         # step, call and receipt: inserted with the events and the run's update (one
         # statement on PostgreSQL)
-        _record_decided(cp, lease, step, call, at_commit=True)
+        _record_decided(cp, lease, step, call)
         _mark_dispatching(cp, call, lease, tool)
         call.dispatched_at = dispatched_at
-        cp.insert(call)  # with the status the receipt gives it (record_receipt, later=True)
+        cp.insert(call)  # with the status the receipt gives it
         record_receipt(
             cp,
             lease,
@@ -261,7 +250,6 @@ def _read_in_one_commit(lease: Lease, step: Step, call: ToolCall, tool: Tool) ->
             result=output if ok else {"error": error},
             external_ref=result.external_ref if result else "",
             source=ToolReceipt.Source.TOOL,
-            later=True,
             notes=_storage_notes(result),
         )
         transitions.apply_to_state(cp, run=lease.run, agent=lease.agent, step=step)
@@ -295,7 +283,7 @@ def decide_wait(lease: Lease, action: WaitForSignal | Sleep | AskQuestion, seq: 
         step = Step.objects.create(
             run_id=lease.run.id, seq=seq, kind=Step.Kind.WAIT, input=spec, incarnation=lease.fence
         )
-        cp.event("step.decided", seq=seq, kind=step.kind, wait=spec)
+        cp.event(EventType.STEP_DECIDED, seq=seq, kind=step.kind, wait=spec)
         cp.update(steps_used=F("steps_used") + 1)
         cp.boundary("decided")
         if isinstance(action, AskQuestion):
@@ -356,13 +344,14 @@ def _decide_family_call(
     in_doubt = not adopt and receipt is None and sibling.attempt_count > 0
     needs_approval = tool.approval.requires_approval(arguments)
     with lease.checkpoint() as cp:
-        step = Step.objects.create(
+        step = Step(
             run_id=run.id,
             seq=seq,
             kind=Step.Kind.TOOL_CALL,
             input={"tool": tool.name, "arguments": masked},
             incarnation=lease.fence,
         )
+        cp.insert(step)
         call = ToolCall(
             step=step,
             run_id=run.id,
@@ -376,7 +365,7 @@ def _decide_family_call(
             precondition_fingerprint=fingerprint,
         )
         cp.event(
-            "step.decided",
+            EventType.STEP_DECIDED,
             seq=seq,
             kind=step.kind,
             tool=tool.name,
@@ -387,8 +376,8 @@ def _decide_family_call(
         )
         cp.update(steps_used=F("steps_used") + 1)
         cp.boundary("decided")
+        cp.insert(call)
         if adopt:
-            call.save(force_insert=True)
             transitions.record_receipt(
                 cp,
                 call,
@@ -403,11 +392,9 @@ def _decide_family_call(
         elif in_doubt:
             transitions.call_in_doubt(cp, call, sibling=sibling, seq=seq)
         elif needs_approval:
-            call_await_approval(cp, run=run, call=call, tool=tool, seq=seq, new=True)
-        else:
-            if execute:
-                _mark_dispatching(cp, call, lease, tool)
-            rows.insert(call)
+            call_await_approval(cp, run=run, call=call, tool=tool, seq=seq)
+        elif execute:
+            _mark_dispatching(cp, call, lease, tool)
     run.steps_used += 1
     lease.steps.append(step)
     if adopt:

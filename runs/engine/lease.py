@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any, ClassVar
 
 from django.conf import settings
@@ -20,10 +21,11 @@ from django.db.models import F
 from django.db.models.functions import Now
 
 from runs.models import Run, Step
-from runs.queue import enqueue_on_commit
-from runs.record import rows, transitions
+from runs.queue import enqueue_run
+from runs.record import transitions
 from runs.record.checkpoint import Checkpoint, checkpoint
 from runs.record.common import LIVE_FIELDS
+from runs.record.eventtypes import EventType
 from runs.record.runs import run_finish, run_park, run_pause, run_release
 from runs.registry import Agent, Tool, Usage
 
@@ -66,19 +68,17 @@ class Lease:
         return self.claimed_db_time + timedelta(seconds=time.monotonic() - self.claimed_monotonic)
 
     @contextmanager
-    def checkpoint(
-        self, *, locked: Run | None = None, optimistic: bool = False
-    ) -> Iterator[Checkpoint]:
-        """``optimistic``: the body only records (``cp.event/update/insert/update_row``) what
-        this incarnation did, whatever others write meanwhile: written without locking the
-        run first (``events.checkpoint(expect=...)``)."""
+    def checkpoint(self, *, locked: Run | None = None) -> Iterator[Checkpoint]:
+        """A commit of this incarnation: a body that only records what it did is written
+        without locking the run first, one that reads locks it at that read
+        (``runs.record.checkpoint``, ``expect``)."""
         with checkpoint(
             self.run.id,
             actor=self.actor,
             channel="worker",
             fence=self.fence,
             locked=locked,
-            expect=self.run if optimistic else None,
+            expect=self.run,
         ) as cp:
             yield cp
             if self.decision_usage is not None and "decided" in cp.boundaries:
@@ -95,11 +95,11 @@ class Lease:
                     "boundary": "+".join(cp.boundaries),
                 },
             )
-        if cp.run is not self.run:
-            # where the record ends: the next optimistic checkpoint expects it
-            self.run.event_seq = cp.run.event_seq
-            self.run.last_event_hash = cp.run.last_event_hash
-        self.take_operator_changes(cp.run)
+        if cp.known is not self.run:
+            # where the record ends: the next checkpoint expects it
+            self.run.event_seq = cp.known.event_seq
+            self.run.last_event_hash = cp.known.last_event_hash
+        self.take_operator_changes(cp.known)
 
     def take_operator_changes(self, locked: Run) -> None:
         """What others may change under a live lease, as the checkpoint read it back: an
@@ -152,15 +152,26 @@ def _record_decision_usage(cp: Checkpoint, lease: Lease, usage: Usage) -> None:
     """Inside the ``decided`` commit: the step that commit creates carries the decision's
     tokens and cost, the run's persisted usage grows by them, and ``step.decided`` says so."""
     seq = max(
-        (event.payload.get("seq", 0) for event in cp.events if event.type == "step.decided"),
+        (
+            event.payload.get("seq", 0)
+            for event in cp.events
+            if event.type == EventType.STEP_DECIDED
+        ),
         default=None,
     )
     if seq is None:
         return
-    Step.objects.filter(run_id=lease.run.id, seq=seq).update(tokens=usage.tokens, cost=usage.cost)
+    pending = (obj for obj in cp.inserts if isinstance(obj, Step) and obj.seq == seq)
+    step = next(pending, None)
+    if step is not None:
+        step.tokens, step.cost = usage.tokens, usage.cost  # inserted with them
+    else:  # written before a read in this commit
+        Step.objects.filter(run_id=lease.run.id, seq=seq).update(
+            tokens=usage.tokens, cost=usage.cost
+        )
     cp.update(tokens_used=F("tokens_used") + usage.tokens, cost_used=F("cost_used") + usage.cost)
     for event in cp.events:
-        if event.type == "step.decided":
+        if event.type == EventType.STEP_DECIDED:
             event.payload["usage"] = json.loads(
                 json.dumps(
                     {"tokens": usage.tokens, "cost": usage.cost, **usage.detail}, default=str
@@ -193,7 +204,7 @@ def _yield(lease: Lease) -> None:
     with lease.checkpoint() as cp:
         run_release(cp)
         cp.update(enqueued_at=Now())
-        enqueue_on_commit(lease.run.id)
+        cp.on_commit(partial(enqueue_run, lease.run.id))
 
 
 def park_needs_attention(lease: Lease, reason: str, detail: str) -> None:
@@ -210,10 +221,7 @@ def finish(
     detail: str = "",
     seq: int | None = None,
 ) -> None:
-    # a decision that cost tokens updates its step in the body (_record_decision_usage), so
-    # that step is inserted at once; otherwise the commit only records, without a lock
-    at_commit = lease.decision_usage is None
-    with lease.checkpoint(optimistic=at_commit) as cp:
+    with lease.checkpoint() as cp:
         if seq is not None:
             kind = Step.Kind.FINISH if status == Run.Status.SUCCEEDED else Step.Kind.FAIL
             step = transitions.step_ended(
@@ -223,12 +231,9 @@ def finish(
                 incarnation=lease.fence,
                 input={"result": result} if kind == Step.Kind.FINISH else {"reason": detail},
             )
-            if at_commit:
-                cp.insert(step)
-            else:
-                rows.insert(step)
+            cp.insert(step)
             lease.steps.append(step)
-            cp.event("step.decided", seq=seq, kind=kind)
+            cp.event(EventType.STEP_DECIDED, seq=seq, kind=kind)
             cp.update(steps_used=F("steps_used") + 1)
             cp.boundary("decided")
         run_finish(cp, status, result=result, reason=reason, detail=detail)

@@ -32,6 +32,7 @@ from runs.engine.toolcalls import _LeaseKeeper
 from runs.models import Run, Step
 from runs.record import transitions
 from runs.record.checkpoint import LeaseLost, checkpoint
+from runs.record.eventtypes import EventType
 from runs.record.runs import run_pause, run_release, run_terminate
 from runs.registry import Decision, DecisionContext, DecisionPostponed, ModelWithdrawn, StepView
 
@@ -80,7 +81,9 @@ def _note_lease_lost(lease: Lease, detail: str) -> None:
     metrics.LEASE_LOST_IN_PROCESS.inc()
     try:
         with checkpoint(lease.run.id, actor=lease.actor, channel="worker") as cp:
-            cp.event("run.lease_lost", worker=lease.worker, lost_fence=lease.fence, detail=detail)
+            cp.event(
+                EventType.RUN_LEASE_LOST, worker=lease.worker, lost_fence=lease.fence, detail=detail
+            )
     except Exception:
         # only a note: failing to write it must not turn a clean stop into a crash
         log.exception("run %s: could not record the lost lease", lease.run.id)
@@ -208,7 +211,7 @@ def migrate_agent_version(lease: Lease) -> bool:
         return False
     with lease.checkpoint() as cp:
         for source, target, _migrate in path:
-            cp.event("run.migrated", **{"from": source, "to": target})
+            cp.event(EventType.RUN_MIGRATED, **{"from": source, "to": target})
         cp.update(agent_version=agent.version, state=state, state_version=run.state_version + 1)
     run.agent_version = agent.version
     run.state = state
@@ -229,7 +232,7 @@ def _apply_model_policy(lease: Lease) -> None:
     if not configured or configured == run.model_id:
         return
     with lease.checkpoint() as cp:
-        cp.event("run.model_changed", **{"from": run.model_id, "to": configured})
+        cp.event(EventType.RUN_MODEL_CHANGED, **{"from": run.model_id, "to": configured})
         cp.update(model_id=configured)
     run.model_id = configured
 
@@ -267,7 +270,9 @@ def advance_once(lease: Lease) -> str:
         # instead of failing the run. Budgets and the deadline still stop it.
         wake_at = lease.now() + timedelta(seconds=max(exc.retry_after, 0.0))
         with lease.checkpoint() as cp:
-            cp.event("agent.postponed", detail=_describe(exc), retry_in_seconds=exc.retry_after)
+            cp.event(
+                EventType.AGENT_POSTPONED, detail=_describe(exc), retry_in_seconds=exc.retry_after
+            )
             run_release(cp, wake_at=wake_at)
         return Outcome.PARKED
     except ModelWithdrawn as exc:

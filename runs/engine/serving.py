@@ -21,6 +21,7 @@ from django.db.models.functions import Now
 
 from runs.engine.lease import Lease, _conf
 from runs.models import Worker
+from runs.record.eventtypes import EventType
 from runs.record.runs import run_release
 
 
@@ -50,7 +51,7 @@ def hand_off(lease: Lease, why: str, *, tool: tuple[str, str] | None = None) -> 
         return False
     wake_at = lease.now() + timedelta(seconds=_conf("HANDOFF_DELAY"))
     with lease.checkpoint() as cp:
-        cp.event("run.handed_off", worker=lease.worker, reason=why, to=able)
+        cp.event(EventType.RUN_HANDED_OFF, worker=lease.worker, reason=why, to=able)
         run_release(cp, wake_at=wake_at)
         # ``enqueued_at`` cleared: the sweeper wakes the run as soon as ``wake_at`` is due
         # (a worker of either release may take it: a short delay, not a busy loop)

@@ -32,6 +32,7 @@ from runs.gate import GateRefused, get_gate
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.record import transitions
 from runs.record.checkpoint import LeaseLost, lease_expiry
+from runs.record.eventtypes import EventType
 from runs.record.runs import call_await_approval, run_release
 from runs.registry import (
     Effect,
@@ -142,9 +143,7 @@ def dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: b
 def _request_approval_again(lease: Lease, step: Step, call: ToolCall, tool: Tool, why: str) -> str:
     with lease.checkpoint() as cp:
         get_gate().cancel(cp=cp, call=call, reason="superseded")
-        call_await_approval(
-            cp, run=lease.run, call=call, tool=tool, seq=step.seq, new=False, why=why
-        )
+        call_await_approval(cp, run=lease.run, call=call, tool=tool, seq=step.seq, why=why)
     return Outcome.PARKED
 
 
@@ -340,7 +339,7 @@ def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
     if ok is None:
         mark_unknown(lease, call, error)
         return _reconcile(lease, step, call, tool)
-    with lease.checkpoint(optimistic=True) as cp:
+    with lease.checkpoint() as cp:
         # the receipt and both rows' new status go with the events (one statement on
         # PostgreSQL)
         record_receipt(
@@ -351,12 +350,9 @@ def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
             result=result.result if result else {"error": error},
             external_ref=result.external_ref if result else "",
             source=receipt_source(lease, tool),
-            later=True,
             notes=_storage_notes(result),
         )
-        complete_step(
-            cp, lease, step, call, ok, result.result if result else None, error, later=True
-        )
+        complete_step(cp, lease, step, call, ok, result.result if result else None, error)
     return Outcome.CONTINUE
 
 
@@ -369,7 +365,6 @@ def record_receipt(
     result: Any,
     external_ref: str,
     source: str,
-    later: bool = False,
     notes: tuple[str, ...] = (),
 ) -> None:
     transitions.record_receipt(
@@ -381,7 +376,6 @@ def record_receipt(
         source=source,
         recorded_by=lease.actor,
         incarnation=lease.fence,
-        later=later,
         notes=notes,
     )
 
@@ -394,8 +388,6 @@ def complete_step(
     ok: bool,
     output: Any,
     error: str,
-    *,
-    later: bool = False,
 ) -> None:
     """``step_completed``: the outcome applied to the run's state (shares the receipt's commit)."""
     transitions.complete_step(
@@ -406,7 +398,6 @@ def complete_step(
         ok=ok,
         output=output,
         error=error,
-        later=later,
     )
 
 
@@ -425,6 +416,55 @@ def fail_step(lease: Lease, step: Step, error: str) -> None:
 def mark_unknown(lease: Lease, call: ToolCall, error: str) -> None:
     with lease.checkpoint() as cp:
         transitions.call_unknown(cp, call, error)
+
+
+def unknown_needs_person(tool: Tool) -> bool:
+    """The one rule for who settles an unknown outcome, hosted or remote: a person when
+    nobody can find out or safely repeat it — an ``unsafe`` tool (never repeated
+    automatically, whatever it declares), or one with no lookup by key whose downstream
+    does not deduplicate by it (docs/agents.md, "Effect classes")."""
+    if tool.effect == Effect.READ:
+        return False
+    return tool.effect == Effect.UNSAFE or (tool.reconcile is None and not tool.honours_key)
+
+
+def park_unknown_outcome(lease: Lease, call: ToolCall) -> str:
+    """Hand an unknown outcome to a person (``unknown_needs_person``): the run waits in
+    ``needs_attention`` until an operator resolves the call."""
+    park_needs_attention(
+        lease,
+        Run.Reason.UNKNOWN_OUTCOME,
+        f"{call.tool_name} ({call.effect}) may or may not have acted: {call.last_error}",
+    )
+    return Outcome.PARKED
+
+
+def absent_proves_never_landed(
+    tool: Tool | None, started: datetime | None, landing: datetime | None
+) -> bool:
+    """The one rule for an ``absent`` lookup, hosted or remote: it allows sending the same
+    key again only when the downstream deduplicates by key (the same key again is the
+    lookup), or the lookup began once the original request could no longer land — one that
+    straddles that deadline may have looked before the request arrived (DESIGN §9)."""
+    if tool is not None and tool.honours_key:
+        return True
+    return started is not None and landing is not None and started >= landing
+
+
+def resend_needs_person(tool: Tool | None, *, authorized: bool) -> bool:
+    """An absent call of a ``resend: person`` tool is sent again only when a person says so
+    (``authorized``: an operator chose "dispatch again")."""
+    return tool is not None and tool.resend == Resend.PERSON and not authorized
+
+
+def park_resend_for_person(lease: Lease, call: ToolCall) -> str:
+    park_needs_attention(
+        lease,
+        Run.Reason.UNKNOWN_OUTCOME,
+        f"{call.tool_name}: the lookup found nothing under key {call.idempotency_key}; "
+        "the tool sends again only when a person says so (resend: person)",
+    )
+    return Outcome.PARKED
 
 
 def _reconcile(
@@ -452,22 +492,17 @@ def _reconcile(
             return Outcome.CONTINUE
         call.reconcile_attempts = failures
         return dispatch(lease, step, call, tool)
-    if tool.reconcile is None and tool.honours_key:
-        # the external system deduplicates by key: the same key again is the lookup
-        return dispatch(lease, step, call, tool)
-    if tool.effect == Effect.UNSAFE or tool.reconcile is None:
+    if unknown_needs_person(tool):
         if not authorized:
-            park_needs_attention(
-                lease,
-                Run.Reason.UNKNOWN_OUTCOME,
-                f"{tool.name} ({tool.effect}) may or may not have acted: {call.last_error}",
-            )
-            return Outcome.PARKED
+            return park_unknown_outcome(lease, call)
         # nothing to look up: the person decided; the original may still not land first
         landing_until = can_land_until(lease, call, tool)
         if db_now() < landing_until:
             release(lease, wake_at=landing_until)
             return Outcome.PARKED
+        return dispatch(lease, step, call, tool)
+    if tool.reconcile is None:
+        # the external system deduplicates by key: the same key again is the lookup
         return dispatch(lease, step, call, tool)
 
     if call.next_reconcile_at is not None and call.next_reconcile_at > lease.now():
@@ -495,7 +530,7 @@ def _reconcile(
                 lookups_begun=F("lookups_begun") + 1,
             )
             cp.event(
-                "tool.reconcile_attempted",
+                EventType.TOOL_RECONCILE_ATTEMPTED,
                 seq=step.seq,
                 attempt=attempt,
                 outcome="found",
@@ -519,9 +554,8 @@ def _reconcile(
         # Reliably absent — as of when the lookup started. A re-send waits until a lookup
         # that started after the landing deadline says so.
         landing_until = can_land_until(lease, call, tool)
-        # a downstream that deduplicates by key may simply get the same key again
-        too_early = not tool.honours_key and lookup_started < landing_until
-        to_person = not too_early and tool.resend == Resend.PERSON and not authorized
+        too_early = not absent_proves_never_landed(tool, lookup_started, landing_until)
+        to_person = not too_early and resend_needs_person(tool, authorized=authorized)
         with lease.checkpoint() as cp:
             ToolCall.objects.filter(id=call.id).update(
                 reconcile_attempts=attempt,
@@ -530,7 +564,7 @@ def _reconcile(
                 lookups_begun=F("lookups_begun") + 1,
             )
             cp.event(
-                "tool.reconcile_attempted",
+                EventType.TOOL_RECONCILE_ATTEMPTED,
                 seq=step.seq,
                 attempt=attempt,
                 outcome="absent",
@@ -544,13 +578,7 @@ def _reconcile(
         if too_early:
             return Outcome.PARKED
         if to_person:
-            park_needs_attention(
-                lease,
-                Run.Reason.UNKNOWN_OUTCOME,
-                f"{tool.name}: the lookup found nothing under key {call.idempotency_key}; "
-                "the tool sends again only when a person says so (resend: person)",
-            )
-            return Outcome.PARKED
+            return park_resend_for_person(lease, call)
         call.reconcile_attempts = attempt
         return dispatch(lease, step, call, tool)
 
@@ -561,7 +589,7 @@ def _reconcile(
                 reconcile_attempts=attempt, next_reconcile_at=None
             )
             cp.event(
-                "tool.reconcile_attempted",
+                EventType.TOOL_RECONCILE_ATTEMPTED,
                 seq=step.seq,
                 attempt=attempt,
                 outcome="unknown",
@@ -580,7 +608,7 @@ def _reconcile(
             reconcile_attempts=attempt, next_reconcile_at=next_at
         )
         cp.event(
-            "tool.reconcile_attempted",
+            EventType.TOOL_RECONCILE_ATTEMPTED,
             seq=step.seq,
             attempt=attempt,
             outcome="unknown",

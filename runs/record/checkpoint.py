@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -30,7 +30,8 @@ from runs.dbtime import DbNow
 from runs.models import Run, RunEvent
 from runs.record import machine, rows
 from runs.record.chain import anchor_hash, event_hash, payload_digest
-from runs.record.common import LOCKED_FIELDS
+from runs.record.common import LOCKED_FIELDS, link_saved, write_rows
+from runs.record.eventtypes import KNOWN as KNOWN_EVENT_TYPES
 
 
 class LeaseLost(Exception):
@@ -64,7 +65,7 @@ class Event:
 
 @dataclass
 class Checkpoint:
-    run: Run
+    known: Run  # the run as this commit knows it: its locked row, or the lease holder's copy
     actor: str
     channel: str
     fence: int | None
@@ -73,23 +74,44 @@ class Checkpoint:
     boundaries: list[str] = field(default_factory=list)
     inserts: list[models.Model] = field(default_factory=list)
     row_updates: list[tuple[type[models.Model], Any, dict[str, Any]]] = field(default_factory=list)
+    # set while the body has only collected (a lease holder's commit that has not locked):
+    # called at the body's first read — of the database or of ``cp.run``
+    lock_first: Callable[[], None] | None = None
+    # what runs once the commit landed (``cp.on_commit``), while nothing is locked yet
+    after: list[Callable[[], None]] = field(default_factory=list)
+    flushing: bool = False
+    flushed_early: bool = False
+
+    @property
+    def run_id(self) -> Any:
+        return self.known.id
+
+    @property
+    def run(self) -> Run:
+        """The run's row, locked: a body that has only collected so far locks it first."""
+        if self.lock_first is not None:
+            self.lock_first()
+        return self.known
 
     def event(self, type: str, **payload: Any) -> None:
         # Stored as JSON: reduce to JSON values now (a Decimal budget, a UUID, a datetime
         # become strings) so the insert cannot fail and the digest hashed (at the write: the
         # payload may still be amended in the checkpoint's body) is the digest of what an
         # auditor reads back.
+        if type not in KNOWN_EVENT_TYPES:
+            raise ValueError(f"unknown event type {type!r}: list it in runs.record.eventtypes")
         payload = json.loads(json.dumps(payload, default=str))
+        run = self.known
         self.events.append(
             Event(
-                run_id=self.run.id,
-                type=type,
+                run_id=run.id,
+                type=str(type),
                 actor=self.actor,
                 channel=self.channel,
-                incarnation=self.fence if self.fence is not None else self.run.fence,
+                incarnation=self.fence if self.fence is not None else run.fence,
                 payload=payload,
-                trace_id=self.run.trace_id,
-                span_id=tracing.current_span_id(self.run.trace_id),
+                trace_id=run.trace_id,
+                span_id=tracing.current_span_id(run.trace_id),
             )
         )
 
@@ -100,17 +122,50 @@ class Checkpoint:
         """Insert ``obj`` in this commit, after the objects given before it. A foreign key
         to one of those (assigned while it was unsaved) is filled in from it. On PostgreSQL
         these rows, the events and the run's update go to the database as ONE statement."""
+        if self.flushed_early:
+            link_saved(obj)
         self.inserts.append(obj)
 
     def update_row(self, model: type[models.Model], pk: Any, **values: Any) -> None:
         """``UPDATE`` one row (plain values) in this commit, with the events: on PostgreSQL
-        in the commit's one statement. The row must exist; nothing reads it back before the
-        commit."""
+        in the commit's one statement. The row must exist."""
         self.row_updates.append((model, pk, values))
+
+    def save_fields(self, obj: models.Model, names: list[str]) -> None:
+        """Write ``obj``'s ``names`` in this commit: with its insert when it is still to be
+        inserted here, else as an ``update_row``."""
+        if not any(pending is obj for pending in self.inserts):
+            self.update_row(type(obj), obj.pk, **{name: getattr(obj, name) for name in names})
+
+    def on_commit(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once this commit has landed (never when it rolls back)."""
+        if self.lock_first is not None:
+            self.after.append(callback)
+        else:
+            transaction.on_commit(callback)
 
     def boundary(self, name: str) -> None:
         """Mark that this commit contains a checkpoint boundary (for fault injection)."""
         self.boundaries.append(name)
+
+    def before_query(self, execute, sql, params, many, context):
+        """Installed around the body: before the body's first read the run is locked (when
+        the commit has not locked yet), and before any read the rows collected so far are
+        written, so the body reads what it wrote."""
+        if not self.flushing:
+            self.flushing = True
+            try:
+                if self.lock_first is not None:
+                    self.lock_first()
+                if self.inserts or self.row_updates:
+                    backend = rows.backend()
+                    write_rows(self, backend.insert, backend.update)
+                    self.inserts.clear()
+                    self.row_updates.clear()
+                    self.flushed_early = True
+            finally:
+                self.flushing = False
+        return execute(sql, params, many, context)
 
 
 @contextmanager
@@ -130,40 +185,71 @@ def checkpoint(
     UPDATE): it is not locked and read again.
 
     ``expect`` (a lease holder's hot path): the run as this process last wrote it. On
-    PostgreSQL the row is then not locked first: the body runs against ``expect`` and the
-    commit is ONE statement (outside a transaction: its own) that holds only while the run's
-    record still ends where ``expect`` says (``event_seq``) and the fence is ours. When
-    someone wrote in between (an operator's request, a signal), it wrote nothing, and the
-    checkpoint is written the ordinary way: lock, number the events after the record's new
-    end, write. So the body must decide nothing from the run row that others may change but
-    the ``LIVE_FIELDS`` (read back after the write either way), and may not touch the
-    database itself: only ``cp.event/update/insert/update_row`` (a query in it raises; an
-    ``on_commit`` callback would run at once, before the write: none either)."""
+    PostgreSQL the row is then not locked before the body: a body that only collects
+    (``cp.event/update/insert/update_row/save_fields/on_commit``) is written as ONE
+    statement (outside a transaction: its own) that holds only while the run's record still
+    ends where ``expect`` says (``event_seq``) and the fence is ours. When someone wrote in
+    between (an operator's request, a signal), it wrote nothing, and the checkpoint is
+    written the ordinary way: lock, number the events after the record's new end, write.
+    A body that reads — the database, or ``cp.run`` — locks the run at that first read, as a
+    locking checkpoint does before its body, and writes the rows collected so far first.
+    The caller chooses nothing: what the body does decides. So the body must decide nothing
+    from ``expect`` that others may change but the ``LIVE_FIELDS`` (read back after the
+    write either way), and must run code after the commit through ``cp.on_commit``."""
     started = time.perf_counter()
-    if expect is not None and fence is not None and rows.backend().UNLOCKED_COMMITS:
-        cp = Checkpoint(run=expect, actor=actor, channel=channel, fence=fence)
-        with connection.execute_wrapper(_no_queries):
-            yield cp
-        if _write(cp, renew_lease=renew_lease, unlocked=True):
-            # outside a transaction the statement committed: they fire at once
-            _crash_points_on_commit(cp)
+    with ExitStack() as stack:
+        unlocked = locked is None and expect is not None and fence is not None
+        if unlocked and rows.backend().UNLOCKED_COMMITS:
+            cp = Checkpoint(known=expect, actor=actor, channel=channel, fence=fence)
+            outer = connection.in_atomic_block
+            cp.lock_first = partial(_lock_in, stack, cp, run_id, fence, outer)
         else:
-            with transaction.atomic(savepoint=False):
-                cp.run = _lock_or_raise(run_id, fence)
-                _write(cp, renew_lease=renew_lease)
-                _crash_points_on_commit(cp)
-    else:
-        with transaction.atomic(savepoint=False):
+            stack.enter_context(transaction.atomic(savepoint=False))
             run = locked if locked is not None else _lock_or_raise(run_id, fence)
-            cp = Checkpoint(run=run, actor=actor, channel=channel, fence=fence)
+            cp = Checkpoint(known=run, actor=actor, channel=channel, fence=fence)
             # registered before the body, read after it: the fault points fire right after
             # the commit, before whatever the body asked to run after it (an outbox email's
             # send, runs.outbox): a kill at a boundary is a kill at the commit
             transaction.on_commit(partial(_crash_points_now, cp))
+        with connection.execute_wrapper(cp.before_query):
             yield cp
+        if cp.lock_first is None:
             _write(cp, renew_lease=renew_lease)
+        else:
+            cp.lock_first = None
+            if _write(cp, renew_lease=renew_lease, unlocked=True):
+                # outside a transaction the statement committed: they fire at once
+                _crash_points_on_commit(cp)
+                for callback in cp.after:
+                    callback()
+            else:
+                # someone wrote in between: lock, number the events after theirs, write
+                stack.enter_context(transaction.atomic(savepoint=False))
+                cp.known = _lock_or_raise(run_id, fence)
+                _write(cp, renew_lease=renew_lease)
+                _crash_points_on_commit(cp)
+                for callback in cp.after:
+                    transaction.on_commit(callback)
     # in-process latency histogram (runs/metrics.py): lock, append, update, commit
     metrics.CHECKPOINT_SECONDS.observe(time.perf_counter() - started)
+
+
+def _lock_in(stack: ExitStack, cp: Checkpoint, run_id: Any, fence: int | None, outer: bool) -> None:
+    """The body of a commit that had only collected reads now: open the transaction and
+    lock the run (as a locking checkpoint does before its body) — the body decided nothing
+    from the database until here."""
+    cp.lock_first = None
+    if connection.in_atomic_block and not outer:
+        raise RuntimeError(
+            "a checkpoint's body opened its own transaction before its first read: the run "
+            "must be locked first (read, or touch cp.run, before atomic())"
+        )
+    stack.enter_context(transaction.atomic(savepoint=False))
+    cp.known = _lock_or_raise(run_id, fence)
+    transaction.on_commit(partial(_crash_points_now, cp))
+    for callback in cp.after:
+        transaction.on_commit(callback)
+    cp.after.clear()
 
 
 def _crash_points_now(cp: Checkpoint) -> None:
@@ -188,13 +274,6 @@ def _lock_or_raise(run_id: Any, fence: int | None) -> Run:
         # that at once, without moving the fence): the holder, if it still lives, is done
         raise LeaseLost(f"run {run_id} is {run.status}: this incarnation's lease has ended")
     return run
-
-
-def _no_queries(execute, sql, params, many, context):
-    raise RuntimeError(
-        "a checkpoint(expect=...) body may not query the database (it holds no lock and "
-        "no transaction): write through the checkpoint, or use a locking checkpoint"
-    )
 
 
 # Called as ``listener(cp)`` inside the checkpoint's transaction, after its events are
@@ -222,7 +301,7 @@ def _write(cp: Checkpoint, *, renew_lease: bool, unlocked: bool = False) -> bool
     backend. ``unlocked``: only as the one conditional statement (``checkpoint(expect=...)``);
     False when it wrote nothing (someone wrote in between, or the commit is not of that
     shape) — the caller then writes it the locked way."""
-    run = cp.run
+    run = cp.known
     prev_hash = run.last_event_hash or anchor_hash(run.id)
     expect_seq = seq = run.event_seq
     now = timezone.now()

@@ -69,6 +69,18 @@ def link(obj: models.Model, inserts: list[models.Model]) -> None:
         model_field.set_cached_value(obj, inserts[index])
 
 
+def link_saved(obj: models.Model) -> None:
+    """Fill in a foreign key assigned while its target was unsaved, once the target has its
+    key (it was written earlier in the same checkpoint, before a read)."""
+    for model_field in obj._meta.concrete_fields:
+        if model_field.is_relation and model_field.is_cached(obj):
+            target = model_field.get_cached_value(obj)
+            unset = getattr(obj, model_field.attname) is None
+            if unset and target is not None and target.pk is not None:
+                setattr(obj, model_field.attname, target.pk)
+                model_field.set_cached_value(obj, target)
+
+
 def kind_filter(remote: bool) -> Q:
     """Remote agents' runs are advanced only by agent processes through the API
     (``runs.remote``), hosted ones only by workers: neither may claim the other's."""

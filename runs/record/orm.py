@@ -69,7 +69,7 @@ def flush(
             listener(cp)
     if not updates:
         return None
-    query = Run.objects.filter(id=cp.run.id)
+    query = Run.objects.filter(id=cp.run_id)
     if cp.fence is not None:
         query = query.filter(fence=cp.fence)
     return query.update(

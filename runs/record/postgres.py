@@ -251,7 +251,7 @@ def flush(
     record's end did not match — nothing was written), None with no update of the run.
     ``unlocked``: only the one statement may write (0 when the commit has no events)."""
     if cp.events:
-        run_update = _run_update(cp.run.id, cp.fence, updates)
+        run_update = _run_update(cp.run_id, cp.fence, updates)
         # without a lock and outside a transaction, a listener's rows need one with the events
         joined = unlocked and listeners and not connection.in_atomic_block
         with transaction.atomic(savepoint=False) if joined else nullcontext():
@@ -266,7 +266,7 @@ def flush(
     if not updates:
         return None
     with connection.cursor() as cursor:
-        cursor.execute(*_run_update(cp.run.id, cp.fence, updates))
+        cursor.execute(*_run_update(cp.run_id, cp.fence, updates))
         return cursor.rowcount
 
 
@@ -327,7 +327,7 @@ def _write_in_one_statement(cp: Checkpoint, update: tuple[str, list[Any]], expec
     for (attname, converters, model_field), value in zip(live, row[-len(live) :], strict=True):
         for converter in converters:
             value = converter(value, model_field, connection)
-        setattr(cp.run, attname, value)
+        setattr(cp.known, attname, value)
     return updated
 
 

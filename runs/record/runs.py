@@ -9,6 +9,7 @@ business (the engine, the remote protocol, ``runs.services``); what the move wri
 from __future__ import annotations
 
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from django.db.models import F
@@ -17,9 +18,10 @@ from django.utils import timezone
 
 from runs.gate import get_gate
 from runs.models import Question, Run, Step, ToolCall
-from runs.queue import enqueue_on_commit
+from runs.queue import enqueue_run
 from runs.record import machine, transitions
 from runs.record.checkpoint import Checkpoint
+from runs.record.eventtypes import EventType
 
 # a remote run released to ``queued``: it waits for an agent process, not for a worker
 WAITING_FOR_PROCESS = "waiting for an agent process"
@@ -32,13 +34,15 @@ def run_release(
 ) -> None:
     """The holder lets the lease go: ``queued`` (or a wait), to be claimed again at
     ``wake_at`` or at once."""
-    cp.event("run.released", status=status, wake_at=wake_at.isoformat() if wake_at else None)
+    cp.event(
+        EventType.RUN_RELEASED, status=status, wake_at=wake_at.isoformat() if wake_at else None
+    )
     cp.update(status=status, wake_at=wake_at, **_NO_LEASE)
 
 
 def run_lease_expired(cp: Checkpoint, *, owner: str, fence: int) -> None:
     """A remote agent's lease ran out: the run waits for an agent process to claim it."""
-    cp.event("run.lease_expired", owner=owner, fence=fence)
+    cp.event(EventType.RUN_LEASE_EXPIRED, owner=owner, fence=fence)
     cp.update(
         status=Run.Status.QUEUED,
         reason_detail=WAITING_FOR_PROCESS,
@@ -55,27 +59,25 @@ def run_queue(cp: Checkpoint, *, enqueue: bool = True, **fields: Any) -> None:
         fields.setdefault("enqueued_at", Now())
     cp.update(status=Run.Status.QUEUED, **fields)
     if enqueue:
-        enqueue_on_commit(cp.run.id)
+        cp.on_commit(partial(enqueue_run, cp.run_id))
 
 
 def run_await_approval(cp: Checkpoint, *, seq: int, tool: str, **why: Any) -> None:
     """``approval_requested``: the run waits for the gate, holding no lease."""
-    cp.event("run.waiting", on="approval", seq=seq, tool=tool, **why)
+    cp.event(EventType.RUN_WAITING, on="approval", seq=seq, tool=tool, **why)
     cp.update(status=Run.Status.WAITING_APPROVAL, **_NO_LEASE)
     cp.boundary("approval_requested")
 
 
 def call_await_approval(
-    cp: Checkpoint, *, run: Run, call: ToolCall, tool: Any, seq: int, new: bool, **why: Any
+    cp: Checkpoint, *, run: Run, call: ToolCall, tool: Any, seq: int, **why: Any
 ) -> None:
-    """ "Wait for approval", the one way: the call awaits its approval (``new``: it is
-    inserted so, in this commit, with its decision), the gate is asked, the run waits."""
+    """ "Wait for approval", the one way: the call awaits its approval (inserted so when it
+    is new in this commit, with its decision), the gate is asked, the run waits."""
     machine.check("call", call.status, ToolCall.Status.AWAITING_APPROVAL)
     call.status = ToolCall.Status.AWAITING_APPROVAL
-    if new:
-        call.save(force_insert=True)
-    else:
-        ToolCall.objects.filter(id=call.id).update(status=call.status, updated_at=timezone.now())
+    call.updated_at = timezone.now()
+    cp.save_fields(call, ["status", "updated_at"])
     get_gate().request(cp=cp, run=run, call=call, tool=tool)
     run_await_approval(cp, seq=seq, tool=tool.name, **why)
 
@@ -87,7 +89,7 @@ def run_await_event(cp: Checkpoint, *, wake_at: datetime | None) -> None:
 
 def run_park(cp: Checkpoint, reason: str, detail: str) -> None:
     """``needs_attention``: the engine cannot go on alone; ``reason`` says why."""
-    cp.event("run.needs_attention", reason=reason, detail=detail)
+    cp.event(EventType.RUN_NEEDS_ATTENTION, reason=reason, detail=detail)
     cp.update(
         status=Run.Status.NEEDS_ATTENTION, reason_code=reason, reason_detail=detail, **_NO_LEASE
     )
@@ -99,15 +101,15 @@ def run_pause(
     """``paused``: by an operator (``reason`` is theirs) or by the system (``code``: the
     principal was revoked); an operator resumes it."""
     if code:
-        cp.event("run.paused", by=by, reason=code, detail=detail)
+        cp.event(EventType.RUN_PAUSED, by=by, reason=code, detail=detail)
         cp.update(status=Run.Status.PAUSED, reason_code=code, reason_detail=detail, **_NO_LEASE)
     else:
-        cp.event("run.paused", by=by, reason=reason)
+        cp.event(EventType.RUN_PAUSED, by=by, reason=reason)
         cp.update(status=Run.Status.PAUSED, requested_action="", **_NO_LEASE)
 
 
 def run_resume(cp: Checkpoint, *, by: str) -> None:
-    cp.event("run.resumed", by=by)
+    cp.event(EventType.RUN_RESUMED, by=by)
     run_queue(cp, reason_code="", reason_detail="")
 
 
@@ -134,7 +136,7 @@ def run_terminate(
     """Terminate inside the caller's checkpoint: cancel undispatched calls (and their
     approvals), fail the open step, release the lease. Calls already dispatched keep their
     status (an unknown outcome stays visible)."""
-    run_id = cp.run.id
+    run_id = cp.run_id
     gate = get_gate()
     undispatched = (
         ToolCall.Status.PROPOSED,
@@ -158,11 +160,11 @@ def run_terminate(
     for question in Question.objects.filter(run_id=run_id, status=Question.Status.OPEN):
         question.status = Question.Status.CANCELLED
         question.save(update_fields=["status"])
-        cp.event("question.cancelled", question_id=question.id, reason="run_terminated")
+        cp.event(EventType.QUESTION_CANCELLED, question_id=question.id, reason="run_terminated")
     Step.objects.filter(run_id=run_id, status=Step.Status.PENDING).update(
         status=Step.Status.FAILED, error="run terminated", completed_at=timezone.now()
     )
-    cp.event("run.terminated", by=by, reason=reason)
+    cp.event(EventType.RUN_TERMINATED, by=by, reason=reason)
     cp.update(
         status=Run.Status.TERMINATED,
         reason_code=reason_code,

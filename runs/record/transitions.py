@@ -14,8 +14,9 @@ from django.utils import timezone
 
 from runs.dbtime import DbNow, db_now_expression
 from runs.models import Run, Step, ToolCall, ToolReceipt
-from runs.record import machine, rows
+from runs.record import machine
 from runs.record.checkpoint import Checkpoint
+from runs.record.eventtypes import EventType
 from runs.registry import Agent, StepView
 
 
@@ -40,14 +41,13 @@ def record_receipt(
     source: str,
     recorded_by: str,
     incarnation: int | None,
-    later: bool = False,
     notes: tuple[str, ...] | list[str] = (),
 ) -> ToolReceipt:
-    """``receipt_recorded``: the call's outcome, whoever learned it. ``later``: the receipt
-    and the call's new status are written with the commit's events (``cp.insert``,
-    ``cp.update_row``: one statement on PostgreSQL); a call itself still waiting in
-    ``cp.insert`` is inserted with its final status, so it needs no update. ``notes``: what
-    was changed to make the answer storable (``runs.jsonlimits.sanitize``), in the event."""
+    """``receipt_recorded``: the call's outcome, whoever learned it. The receipt and the
+    call's new status are written with the commit's events (one statement on PostgreSQL); a
+    call itself still to be inserted in this commit is inserted with its final status.
+    ``notes``: what was changed to make the answer storable (``runs.jsonlimits.sanitize``),
+    in the event."""
     receipt = ToolReceipt(
         tool_call=call,
         outcome=ToolReceipt.Outcome.SUCCEEDED if ok else ToolReceipt.Outcome.FAILED,
@@ -60,15 +60,11 @@ def record_receipt(
     status = ToolCall.Status.SUCCEEDED if ok else ToolCall.Status.FAILED
     machine.check("call", call.status, status)
     call.status = status
-    if later:
-        cp.insert(receipt)
-        if not any(obj is call for obj in cp.inserts):
-            cp.update_row(ToolCall, call.id, status=call.status, updated_at=timezone.now())
-    else:
-        rows.insert(receipt)
-        rows.update(ToolCall, call.id, status=call.status, updated_at=timezone.now())
+    call.updated_at = timezone.now()
+    cp.insert(receipt)
+    cp.save_fields(call, ["status", "updated_at"])
     cp.event(
-        "tool.succeeded" if ok else "tool.failed",
+        EventType.TOOL_SUCCEEDED if ok else EventType.TOOL_FAILED,
         seq=call.step.seq,
         tool=call.tool_name,
         attempt=call.attempt_count,
@@ -98,21 +94,11 @@ def complete_step(
     ok: bool,
     output: Any,
     error: str,
-    later: bool = False,
 ) -> None:
-    """``later``: the step's row is updated with the commit's events (``cp.update_row``)."""
+    """``step_completed``: the step's outcome, written with the commit's events, folded into
+    the run's state."""
     step_outcome(step, ok=ok, output=output, error=error)
-    if later:
-        cp.update_row(
-            Step,
-            step.pk,
-            status=step.status,
-            output=step.output,
-            error=step.error,
-            completed_at=step.completed_at,
-        )
-    else:
-        rows.save_fields(step, ["status", "output", "error", "completed_at"])
+    cp.save_fields(step, ["status", "output", "error", "completed_at"])
     apply_to_state(cp, run=run, agent=agent, step=step)
 
 
@@ -121,8 +107,8 @@ def fail_step(cp: Checkpoint, *, run: Run, agent: Agent, step: Step, error: str)
     step.status = Step.Status.FAILED
     step.error = error
     step.completed_at = timezone.now()
-    rows.save_fields(step, ["status", "error", "completed_at"])
-    cp.event("step.failed", seq=step.seq, error=error)
+    cp.save_fields(step, ["status", "error", "completed_at"])
+    cp.event(EventType.STEP_FAILED, seq=step.seq, error=error)
     apply_to_state(cp, run=run, agent=agent, step=step)
 
 
@@ -141,7 +127,9 @@ def call_cancel(cp: Checkpoint, call: ToolCall, *, reason: str, **detail: Any) -
     """``cancelled``: a call that never left (its approval, if any, is withdrawn by the
     caller through the gate first)."""
     _move_call(call, ToolCall.Status.CANCELLED)
-    cp.event("tool.cancelled", seq=call.step.seq, tool=call.tool_name, reason=reason, **detail)
+    cp.event(
+        EventType.TOOL_CANCELLED, seq=call.step.seq, tool=call.tool_name, reason=reason, **detail
+    )
 
 
 def call_unknown(cp: Checkpoint, call: ToolCall, error: str, *, attempt: bool = True) -> None:
@@ -149,7 +137,7 @@ def call_unknown(cp: Checkpoint, call: ToolCall, error: str, *, attempt: bool = 
     person, never blindly repeated."""
     _move_call(call, ToolCall.Status.UNKNOWN, last_error=error)
     cp.event(
-        "tool.unknown",
+        EventType.TOOL_UNKNOWN,
         seq=call.step.seq,
         tool=call.tool_name,
         **({"attempt": call.attempt_count} if attempt else {}),
@@ -184,7 +172,7 @@ def call_dispatching(
     call.landing_deadline = DbNow(landing)
     call.dispatch_incarnation = fence
     cp.event(
-        "tool.dispatching",
+        EventType.TOOL_DISPATCHING,
         seq=call.step.seq,
         tool=call.tool_name,
         attempt=call.attempt_count,
@@ -251,7 +239,7 @@ def call_absent_accepted(cp: Checkpoint, call: ToolCall, *, lookup: int, **event
         updated_at=timezone.now(),
     )
     cp.event(
-        "tool.reconcile_attempted",
+        EventType.TOOL_RECONCILE_ATTEMPTED,
         seq=call.step.seq,
         attempt=attempt,
         outcome="absent",
@@ -261,9 +249,9 @@ def call_absent_accepted(cp: Checkpoint, call: ToolCall, *, lookup: int, **event
 
 
 def call_in_doubt(cp: Checkpoint, call: ToolCall, *, sibling: ToolCall, seq: int) -> None:
-    """A fork's new call whose key its family dispatched without a receipt: inserted
-    ``unknown`` (reconciled by key, never blindly repeated), with the family's deadlines
-    (its request may still land until the sibling's landing deadline)."""
+    """A fork's new call whose key its family dispatched without a receipt: ``unknown``
+    (reconciled by key, never blindly repeated), with the family's deadlines (its request
+    may still land until the sibling's landing deadline); inserted so by this commit."""
     machine.check("call", call.status, ToolCall.Status.UNKNOWN)
     call.status = ToolCall.Status.UNKNOWN
     call.dispatched_at = sibling.dispatched_at
@@ -273,9 +261,8 @@ def call_in_doubt(cp: Checkpoint, call: ToolCall, *, sibling: ToolCall, seq: int
         f"key {call.idempotency_key} was dispatched by run {sibling.run_id} "
         f"({sibling.status}) with no receipt"
     )
-    call.save(force_insert=True)
     cp.event(
-        "tool.unknown",
+        EventType.TOOL_UNKNOWN,
         seq=seq,
         tool=call.tool_name,
         attempt=0,
@@ -329,7 +316,7 @@ def step_refused(
     bad arguments, a wait it cannot keep). A failed step the agent sees; nothing happens."""
     step = step_ended(run_id, seq=seq, kind=kind, incarnation=incarnation, input=input, error=error)
     step.save(force_insert=True)
-    cp.event("step.decided", seq=seq, kind=kind, **event, refused=error)
+    cp.event(EventType.STEP_DECIDED, seq=seq, kind=kind, **event, refused=error)
     cp.update(steps_used=F("steps_used") + 1)
     cp.boundary("decided")
     return step

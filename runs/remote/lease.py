@@ -22,7 +22,7 @@ from runs.models import AgentManifest, Run, Step, ToolCall
 from runs.record.checkpoint import LeaseLost, RunNotFound, checkpoint
 from runs.record.common import kind_filter
 from runs.record.runs import WAITING_FOR_PROCESS, run_lease_expired
-from runs.registry import Effect, Tool, registry
+from runs.registry import registry
 from runs.remote.manifest import is_remote
 from runs.remote.resume import resume_packet
 from runs.services import BudgetExhausted, InvalidState
@@ -53,8 +53,8 @@ class RemoteLease(engine.Lease):
         return self.worker
 
     @contextmanager
-    def checkpoint(self, *, locked: Run | None = None, optimistic: bool = False):
-        # always locks (``optimistic`` is the hosted worker's): every write checks the row
+    def checkpoint(self, *, locked: Run | None = None):
+        # always locks before the body (no ``expect``): every write checks the row
         with checkpoint(
             self.run.id, actor=self.actor, channel="api", fence=self.fence, locked=locked
         ) as cp:
@@ -186,15 +186,6 @@ def _check_budget(lease: RemoteLease) -> None:
         raise BudgetExhausted(exhausted + "; the run now needs a person (top up its budget)")
 
 
-def _needs_person(tool: Tool) -> bool:
-    """A side effect with no lookup by key whose downstream does not deduplicate: an unknown
-    outcome goes to a person (an ``unsafe`` tool, or an idempotent one declared
-    ``honours_key: false``)."""
-    if tool.effect == Effect.READ:
-        return False
-    return tool.effect == Effect.UNSAFE or (tool.reconcile is None and not tool.honours_key)
-
-
 def _open_step_call(lease: RemoteLease) -> tuple[Step, ToolCall] | None:
     step = lease.open_step()
     if step is None or step.kind != Step.Kind.TOOL_CALL:
@@ -227,14 +218,10 @@ def _settle_open_step(lease: RemoteLease) -> None:
         )
     if (
         call.status == ToolCall.Status.UNKNOWN
-        and _needs_person(tool)
+        and engine.unknown_needs_person(tool)
         and not call.redispatch_authorized  # an operator chose "dispatch again" already
     ):
-        engine.park_needs_attention(
-            lease,
-            Run.Reason.UNKNOWN_OUTCOME,
-            f"{tool.name} ({tool.effect}) may or may not have acted: {call.last_error}",
-        )
+        engine.park_unknown_outcome(lease, call)
 
 
 @dataclass(frozen=True)

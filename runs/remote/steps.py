@@ -13,6 +13,7 @@ from runs import engine
 from runs.actors import Actor
 from runs.models import Run, Step
 from runs.record import transitions
+from runs.record.eventtypes import EventType
 from runs.registry import digest
 from runs.remote.lease import (
     RemoteLease,
@@ -96,7 +97,7 @@ def remote_step_record(
         )
         step.output, step.cost, step.tokens = output, cost or 0, tokens or 0
         step.save(force_insert=True)
-        cp.event("step.decided", seq=seq, kind=DECISION, cost=cost, tokens=tokens)
+        cp.event(EventType.STEP_DECIDED, seq=seq, kind=DECISION, cost=cost, tokens=tokens)
         updates: dict[str, Any] = {
             "steps_used": F("steps_used") + 1,
             "cost_used": F("cost_used") + (cost or 0),

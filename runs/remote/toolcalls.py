@@ -19,12 +19,12 @@ from runs.gate import get_gate
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.record import transitions
 from runs.record.checkpoint import LeaseLost
+from runs.record.eventtypes import EventType
 from runs.registry import CallTool, Effect, Resend, Tool, UnknownTool, digest, registry
 from runs.remote.lease import (
     RemoteLease,
     _check_budget,
     _held,
-    _needs_person,
     _prove_holder,
     holder_conditions,
     honour_request,
@@ -478,7 +478,7 @@ def remote_toolcall_lookup_begin(
                 else call.landing_deadline
             )
         cp.event(
-            "tool.lookup_begun",
+            EventType.TOOL_LOOKUP_BEGUN,
             seq=call.step.seq,
             lookup=call.lookups_begun,
             started_at=call.lookup_started_at.isoformat(),
@@ -549,7 +549,7 @@ def remote_toolcall_receipt(
                 attempt = call.reconcile_attempts + 1
                 ToolCall.objects.filter(id=call.id).update(reconcile_attempts=attempt)
                 cp.event(
-                    "tool.reconcile_attempted",
+                    EventType.TOOL_RECONCILE_ATTEMPTED,
                     seq=step.seq,
                     attempt=attempt,
                     outcome="unknown",
@@ -562,13 +562,8 @@ def remote_toolcall_receipt(
                 detail = f"not sent (the agent's report of attempt {call.attempt_count}): {detail}"
             engine.mark_unknown(lease, call, detail[:2000])
             tool = _tool_of(call)
-            if tool is not None and _needs_person(tool):
-                engine.park_needs_attention(
-                    lease,
-                    Run.Reason.UNKNOWN_OUTCOME,
-                    f"{call.tool_name} ({call.effect}) may or may not have acted: "
-                    f"{call.last_error}",
-                )
+            if tool is not None and engine.unknown_needs_person(tool):
+                engine.park_unknown_outcome(lease, call)
         call.refresh_from_db()
         return call
     if outcome == "absent":
@@ -581,7 +576,7 @@ def remote_toolcall_receipt(
                 reconcile_attempts=attempt, next_reconcile_at=None
             )
             cp.event(
-                "tool.reconcile_attempted",
+                EventType.TOOL_RECONCILE_ATTEMPTED,
                 seq=step.seq,
                 attempt=attempt,
                 outcome="found" if ok else "failed",
@@ -614,12 +609,11 @@ def _record_absent(lease: RemoteLease, call: ToolCall, lookup: int) -> ToolCall:
             latest_lookup=call.lookups_begun,
         )
     tool = _tool_of(call)
-    honours_key = tool is not None and tool.honours_key
     landing = (
         engine.can_land_until(lease, call, tool) if tool is not None else call.landing_deadline
     )
     started = call.lookup_started_at
-    if not honours_key and (started is None or landing is None or started < landing):
+    if not engine.absent_proves_never_landed(tool, started, landing):
         raise LookupTooEarly(
             f"lookup {lookup} began at {started.isoformat() if started else '?'}, before the "
             f"original request could no longer land ({landing.isoformat() if landing else '?'})"
@@ -631,12 +625,7 @@ def _record_absent(lease: RemoteLease, call: ToolCall, lookup: int) -> ToolCall:
         transitions.call_absent_accepted(
             cp, call, lookup=lookup, started_at=started.isoformat() if started else None
         )
-    if tool is not None and tool.resend == Resend.PERSON and not call.redispatch_authorized:
-        engine.park_needs_attention(
-            lease,
-            Run.Reason.UNKNOWN_OUTCOME,
-            f"{call.tool_name}: the lookup found nothing under key {call.idempotency_key}; "
-            "the tool sends again only when a person says so (resend: person)",
-        )
+    if engine.resend_needs_person(tool, authorized=call.redispatch_authorized):
+        engine.park_resend_for_person(lease, call)
     call.refresh_from_db()
     return call

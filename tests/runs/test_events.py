@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from django.db import connection, transaction
+from django.db import DatabaseError, connection, transaction
 
 from approvals.models import Approval
 from approvals.services import approval_decide
@@ -187,7 +187,7 @@ def test_a_write_without_lock_goes_after_what_others_wrote_meanwhile(noter, oper
         finally:
             close_connection()
 
-    with lease.checkpoint(optimistic=True) as cp:
+    with lease.checkpoint() as cp:
         cp.event("run.note", text="the worker's")
         cp.update(steps_used=1)
         # while the worker's commit is being built, holding no lock
@@ -209,7 +209,7 @@ def test_a_write_without_lock_goes_after_what_others_wrote_meanwhile(noter, oper
 @pytest.mark.django_db(transaction=True)
 def test_a_write_without_lock_reads_back_a_budget_raised_meanwhile(noter):
     lease = engine.claim(noter.id, worker="w1")
-    with lease.checkpoint(optimistic=True) as cp:
+    with lease.checkpoint() as cp:
         cp.event("run.note", text="the worker's")
         # an operator raised the budget without an event of its own
         thread = threading.Thread(
@@ -232,7 +232,7 @@ def test_a_zombies_write_without_lock_writes_nothing(noter):
     assert engine.claim(noter.id, worker="w2") is not None
     before = list(RunEvent.objects.filter(run_id=noter.id).values_list("seq", "type"))
 
-    with pytest.raises(LeaseLost), zombie.checkpoint(optimistic=True) as cp:
+    with pytest.raises(LeaseLost), zombie.checkpoint() as cp:
         cp.insert(Step(run_id=noter.id, seq=1, kind=Step.Kind.WAIT, incarnation=zombie.fence))
         cp.event("step.decided", seq=1)
         cp.update(steps_used=5)
@@ -244,16 +244,65 @@ def test_a_zombies_write_without_lock_writes_nothing(noter):
 
 @postgresql_only
 @pytest.mark.django_db(transaction=True)
-def test_a_body_without_lock_may_not_touch_the_database(noter):
+def test_a_body_locks_the_run_at_its_first_read_and_reads_what_it_collected(noter):
+    """The caller chooses nothing: a lease holder's body that reads locks the run there (an
+    operator waits for the commit), and the rows it collected before are already written."""
+    lease = engine.claim(noter.id, worker="w1")
+    seen: list[str] = []
+
+    def operator_tries_to_lock():
+        try:
+            with transaction.atomic():
+                Run.objects.select_for_update(nowait=True).filter(id=noter.id).exists()
+            seen.append("free")
+        except DatabaseError:
+            seen.append("locked")
+        finally:
+            close_connection()
+
+    with lease.checkpoint() as cp:
+        cp.insert(Step(run_id=noter.id, seq=1, kind=Step.Kind.WAIT, incarnation=lease.fence))
+        cp.event("step.decided", seq=1)
+        probe = threading.Thread(target=operator_tries_to_lock)
+        probe.start()
+        probe.join(timeout=30)
+        assert seen == ["free"]  # only collected so far: nothing is locked
+        assert Step.objects.filter(run_id=noter.id, seq=1).exists()  # the read
+        probe = threading.Thread(target=operator_tries_to_lock)
+        probe.start()
+        probe.join(timeout=30)
+        assert seen == ["free", "locked"]
+
+    assert [e.type for e in assert_intact(noter.id)][-1] == "step.decided"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_what_a_body_asks_to_run_after_the_commit_runs_only_once_it_landed(noter):
+    lease = engine.claim(noter.id, worker="w1")
+    ran: list[int] = []
+    with lease.checkpoint() as cp:
+        cp.event("run.note", text="kept")
+        cp.on_commit(lambda: ran.append(RunEvent.objects.filter(run_id=noter.id).count()))
+        assert ran == []
+    assert ran == [RunEvent.objects.filter(run_id=noter.id).count()]
+
+    with pytest.raises(ValueError), lease.checkpoint() as cp:
+        cp.event("run.note", text="rolled back")
+        cp.on_commit(lambda: ran.append(-1))
+        raise ValueError("the body failed")
+    assert -1 not in ran
+
+
+@postgresql_only
+@pytest.mark.django_db(transaction=True)
+def test_a_body_may_not_open_a_transaction_before_the_run_is_locked(noter):
     lease = engine.claim(noter.id, worker="w1")
     before = RunEvent.objects.filter(run_id=noter.id).count()
 
-    with (
-        pytest.raises(RuntimeError, match="may not query"),
-        lease.checkpoint(optimistic=True) as cp,
-    ):
+    with pytest.raises(RuntimeError, match="locked first"), lease.checkpoint() as cp:
         cp.event("run.note", text="never written")
-        Step.objects.filter(run_id=noter.id).exists()
+        with transaction.atomic():
+            Step.objects.filter(run_id=noter.id).exists()
 
     assert RunEvent.objects.filter(run_id=noter.id).count() == before
 

@@ -3,6 +3,7 @@ non-deduplicating mode, where only the engine's discipline prevents a double ref
 
 from __future__ import annotations
 
+import dataclasses
 from datetime import timedelta
 
 import pytest
@@ -364,3 +365,31 @@ def test_read_tool_outcome_unknown_is_simply_called_again(register, system_actor
     assert run.result == {"status": "completed"}
     assert len(body.calls) == 2
     assert ToolCall.objects.get(run=run).attempt_count == 2
+
+
+@pytest.mark.django_db
+def test_an_unsafe_tool_is_never_repeated_even_when_it_declares_a_deduplicating_downstream(
+    register, system_actor
+):
+    """One rule for who settles an unknown outcome (hosted and remote alike,
+    ``engine.unknown_needs_person``): ``unsafe`` goes to a person whatever it declares."""
+    body = CountingTool()
+
+    def behaviour(arguments, ctx):
+        raise OutcomeUnknown("connection reset by peer")
+
+    body.behaviour = behaviour
+    tool = dataclasses.replace(
+        make_tool("test_unsafe_keyed", body, effect=Effect.UNSAFE), honours_key=True
+    )
+
+    def decide(ctx):
+        if not ctx.steps:
+            return CallTool("test_unsafe_keyed", {})
+        return Finish({"sent": ctx.last_step.status})
+
+    register(tool, ScriptedAgent("unsafe_keyed", decide, tools=("test_unsafe_keyed",)))
+    run = drive(run_create(agent_name="unsafe_keyed", actor=system_actor).id)
+
+    assert (run.status, run.reason_code) == (Run.Status.NEEDS_ATTENTION, "unknown_outcome")
+    assert len(body.calls) == 1

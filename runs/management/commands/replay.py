@@ -28,6 +28,7 @@ from django.core.management.base import BaseCommand, CommandError
 
 from runs.llm import LLMAgent, ModelError, ModelUnavailable, ModelWithdrawn, call_records
 from runs.models import Run, RunEvent, Step, ToolCall
+from runs.record.eventtypes import EventType
 from runs.record.transitions import step_view
 from runs.registry import (
     Action,
@@ -168,7 +169,7 @@ class Command(BaseCommand):
 def _recorded_answers(run: Run) -> dict[int, list[Any]]:
     """Each step's recorded model answers, from its ``step.decided`` event."""
     answers: dict[int, list[Any]] = {}
-    decided = RunEvent.objects.filter(run=run, type="step.decided").values_list(
+    decided = RunEvent.objects.filter(run=run, type=EventType.STEP_DECIDED).values_list(
         "payload", flat=True
     )
     for payload in decided:

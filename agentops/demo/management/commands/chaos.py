@@ -64,6 +64,7 @@ from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError, connection, transaction
 
 from runs.faults import BOUNDARIES
+from runs.record.eventtypes import EventType
 
 # Worker settings for a harness that kills every few seconds: short leases and polls so a
 # recovery takes seconds. MAX_RECOVERIES is raised because chaos recovers the same run far
@@ -1275,7 +1276,7 @@ class Harness:
             claims = (
                 RunEvent.objects.filter(
                     run_id__in=kill.affected,
-                    type="run.claimed",
+                    type=EventType.RUN_CLAIMED,
                     created_at__gte=kill.at,
                     payload__recovered=True,
                 )
@@ -1368,7 +1369,7 @@ class Harness:
         consumed_events = Counter(
             (str(run_id), payload.get("seq"))
             for run_id, payload in RunEvent.objects.filter(
-                run_id__in=self.run_ids, type="approval.consumed"
+                run_id__in=self.run_ids, type=EventType.APPROVAL_CONSUMED
             ).values_list("run_id", "payload")
         )
         consumed_rows = Counter(
@@ -1383,7 +1384,7 @@ class Harness:
         unknown_keys = {
             payload.get("idempotency_key")
             for payload in RunEvent.objects.filter(
-                run_id__in=self.run_ids, type="tool.unknown"
+                run_id__in=self.run_ids, type=EventType.TOOL_UNKNOWN
             ).values_list("payload", flat=True)
         }
 

@@ -1,0 +1,61 @@
+"""Issue 22: every event type comes from one catalogue (``runs.record.eventtypes``)."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+from runs.record.checkpoint import Checkpoint
+from runs.record.eventtypes import KNOWN, EventType, markdown_table
+
+ROOT = Path(__file__).resolve().parent.parent
+CODE = [
+    path
+    for package in ("runs", "approvals", "agentops")
+    for path in (ROOT / package).rglob("*.py")
+    if "migrations" not in path.parts and "client" not in path.parts
+]
+EVENT_LIKE = re.compile(r"[a-z]+\.[a-z_]+")
+
+
+def _written_literals() -> dict[str, str]:
+    """String literals given as an event's type: ``*.event("x.y", ...)``."""
+    found = {}
+    for path in CODE:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "event"
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
+                found[node.args[0].value] = f"{path.relative_to(ROOT)}:{node.lineno}"
+    return found
+
+
+def test_the_code_writes_no_event_type_the_catalogue_does_not_list():
+    unknown = {t: where for t, where in _written_literals().items() if t not in KNOWN}
+    assert unknown == {}
+
+
+def test_a_checkpoint_refuses_an_event_type_the_catalogue_does_not_list():
+    cp = Checkpoint.__new__(Checkpoint)
+    with pytest.raises(ValueError, match="unknown event type 'run.exploded'"):
+        Checkpoint.event(cp, "run.exploded")
+
+
+def test_every_catalogued_type_is_a_dotted_name_with_a_description():
+    for value, label in EventType.choices:
+        assert EVENT_LIKE.fullmatch(value), value
+        assert label and label != value, value
+
+
+def test_the_docs_list_is_the_catalogue():
+    text = (ROOT / "docs" / "audit.md").read_text()
+    block = text.split("<!-- event-types:start -->\n", 1)[1].split("\n<!-- event-types:end -->")[0]
+    assert block == markdown_table(), "regenerate it: python manage.py event_types"
