@@ -16,7 +16,7 @@ from django.conf import settings
 from django.core.management import CommandError, call_command
 from django.db import connection
 
-from runs.bench import agents
+from agentops.bench import agents
 from runs.registry import registry
 
 needs_postgres = pytest.mark.skipif(

@@ -29,8 +29,8 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from django.db import OperationalError, connection, connections
 
-from runs.bench import agents, measure
-from runs.bench.database import NotPostgres, bench_database, database_url, require_postgres
+from agentops.bench import agents, measure
+from agentops.bench.database import NotPostgres, bench_database, database_url, require_postgres
 
 # (quick, full): the sizes are the full ones
 SIZES = {
@@ -398,7 +398,7 @@ def dbos_throughput(ctx: measure.Context, workers: int, runs: int, steps: int) -
         return {"skipped": "DBOS printed no result"}
     from psycopg import sql
 
-    from runs.bench.database import admin_connect
+    from agentops.bench.database import admin_connect
 
     with admin_connect(ctx.settings_dict) as admin:
         admin.execute(
