@@ -52,6 +52,8 @@ INSTALLED_APPS = [
     "runs",
     "approvals",
     "agentops.demo",
+    # make bench (docs/benchmarks.md): its command; its agents are registered only when it runs
+    "agentops.bench",
     # after the demo: the gateway exposes the tools registered before it (docs/mcp.md)
     "agentops.mcp",
 ]

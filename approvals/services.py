@@ -17,6 +17,7 @@ from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs import links
 from runs.actors import Actor, PermissionDenied
 from runs.dbtime import db_now
+from runs.errors import DomainError
 from runs.masking import UNMASKED, maskers_for_ids
 from runs.models import ToolCall
 from runs.record.checkpoint import checkpoint
@@ -27,12 +28,14 @@ from runs.services import InvalidInput, InvalidState, toolcall_gate_settled
 MASKED = "***"
 
 
-class AlreadyDecided(Exception):
+class AlreadyDecided(DomainError):
     code = "already_decided"
+    status = 409
 
 
-class ApprovalExpired(Exception):
+class ApprovalExpired(DomainError):
     code = "approval_expired"
+    status = 409
 
 
 class InvalidArguments(InvalidInput):

@@ -14,13 +14,14 @@ from typing import Any
 
 from django.db.models import Q
 
+from runs import errors
+
 # the agent role's one permission (the role holds nothing else): lease, drive and read the
 # runs of the remote agents whose manifests name the principal as their owner
 DRIVE_REMOTE_RUN = "runs.drive_remote_run"
 
 
-class PermissionDenied(Exception):
-    code = "permission_denied"
+PermissionDenied = errors.PermissionDenied  # the one choke point's refusal (runs.errors)
 
 
 def _active(user: Any) -> bool:

@@ -2,9 +2,10 @@
 
 Every error the API returns is ``{"code": <machine code>, "detail": <human text>}``, plus
 ``"fields": {name: [messages]}`` for ``validation_error``. Domain errors raised by services
-carry their ``code``; this module maps each code to one HTTP status, so a view never
-translates an error by hand and a new service error needs one line here. A domain error may
-carry machine-readable values besides (``extra``: e.g. ``resend_after``), added to the body.
+are ``runs.errors.DomainError``s: each class declares its ``code`` and HTTP ``status``, so a
+view never translates an error by hand and a new error needs no line here. A domain error
+may carry machine-readable values besides (``extra``: e.g. ``resend_after``), added to the
+body.
 """
 
 from __future__ import annotations
@@ -22,51 +23,30 @@ from rest_framework.response import Response
 from rest_framework.views import set_rollback
 
 from runs.actors import Actor, run_read_scope
-from runs.actors import PermissionDenied as ActorPermissionDenied
 from runs.api_parsers import JsonInputRefused
+from runs.errors import CODES, DomainError, register
+from runs.jsonlimits import JsonRejected
 from runs.models import ApiToken
-from runs.record.checkpoint import LeaseLost, RunNotFound
-from runs.registry import UnknownAgent, UnknownTool
+from runs.record.checkpoint import RunNotFound
 
-# contract codes (issue 6) → status
-STATUS_BY_CODE: dict[str, int] = {
-    "validation_error": 400,
-    "unknown_agent": 400,
-    "not_authenticated": 401,
-    "permission_denied": 403,
-    "not_found": 404,
-    "method_not_allowed": 405,
-    "not_acceptable": 406,
-    "invalid_state": 409,
-    "idempotency_key_reused": 409,
-    "lease_held": 409,
-    "lease_lost": 409,
-    # a fenced write by someone other than the claim's principal and token (runs.remote.lease)
-    "lease_not_yours": 403,
-    "already_decided": 409,
-    "approval_expired": 409,
-    "budget_exhausted": 409,
-    # a dry run of an agent with a tool that is not read and declares no dry_run (issue 23)
-    "dry_run_unsupported": 400,
-    # a dry run is promoted (started for real) once
-    "already_promoted": 409,
-    # the request lacks an explicit confirmation the client can add and send again
-    "unsafe_dispatch_unconfirmed": 400,
-    # a dispatch's deadlines (DESIGN §9, docs/remote-agents.md); the body says when
-    "send_deadline_passed": 409,
-    "lookup_too_early": 409,
-    "lookup_superseded": 409,
-    "reconcile_required": 409,
-    "dispatch_too_early": 409,
-    # an absent lookup must name the lookup it reports (POST /tool-calls/{id}/lookups/)
-    "lookup_required": 400,
-    "unsupported_media_type": 415,
+# The codes of the API itself (DRF's refusals, the JSON rule); every domain error declares
+# its own code and status (runs.errors): this is the same table, one status per code.
+for _code, _status in (
+    ("validation_error", 400),
+    ("not_authenticated", 401),
+    ("permission_denied", 403),
+    ("not_found", 404),
+    ("method_not_allowed", 405),
+    ("not_acceptable", 406),
+    ("unsupported_media_type", 415),
     # runs.jsonlimits: input over the JSON rule's limits, or with a NUL character
-    "json_too_deep": 400,
-    "json_too_large": 400,
-    "nul_byte": 400,
-    "throttled": 429,
-}
+    ("json_too_deep", 400),
+    ("json_too_large", 400),
+    ("nul_byte", 400),
+    ("throttled", 429),
+):
+    register(_code, _status)
+STATUS_BY_CODE: dict[str, int] = CODES
 
 
 class ApiError(exceptions.APIException):
@@ -121,8 +101,6 @@ def _translate(exc: Exception) -> tuple[str, str, dict[str, list[str]] | None] |
         return "not_authenticated", str(exc.detail), None
     if isinstance(exc, exceptions.PermissionDenied | DjangoPermissionDenied):
         return "permission_denied", str(getattr(exc, "detail", "") or exc), None
-    if isinstance(exc, ActorPermissionDenied):
-        return "permission_denied", str(exc), None
     if isinstance(exc, exceptions.NotFound | Http404 | RunNotFound | ObjectDoesNotExist):
         return "not_found", "Not found.", None
     if isinstance(exc, exceptions.Throttled):
@@ -133,11 +111,6 @@ def _translate(exc: Exception) -> tuple[str, str, dict[str, list[str]] | None] |
         return "not_acceptable", str(exc.detail), None
     if isinstance(exc, exceptions.UnsupportedMediaType):
         return "unsupported_media_type", str(exc.detail), None
-    if isinstance(exc, UnknownAgent | UnknownTool):
-        # the message as written ("unknown agent 'nope'"): stripping quotes unbalanced it
-        return "unknown_agent", str(exc.args[0]) if exc.args else str(exc), None
-    if isinstance(exc, LeaseLost):
-        return "lease_lost", str(exc), None
     if isinstance(exc, IntegrityError):
         # two requests raced for the same row (the same step of a run, sent twice at once):
         # the loser's transaction is rolled back whole, and it may read again and retry
@@ -147,13 +120,14 @@ def _translate(exc: Exception) -> tuple[str, str, dict[str, list[str]] | None] |
             "Read it again and retry.",
             None,
         )
-    code = getattr(exc, "code", None)
-    if isinstance(code, str) and code in STATUS_BY_CODE:
-        # a service's domain error (InvalidState, InvalidInput, AlreadyDecided, ...)
-        fields = getattr(exc, "fields", None)
-        if code == "validation_error" and fields is None:
+    if isinstance(exc, DomainError):
+        # a service's domain error: its class says its code (and status, STATUS_BY_CODE)
+        fields = exc.fields
+        if exc.code == "validation_error" and fields is None:
             fields = {"non_field_errors": [str(exc)]}
-        return code, str(exc), fields
+        return exc.code, str(exc), fields
+    if isinstance(exc, JsonRejected):
+        return exc.code, exc.detail, None
     return None  # a bug: let it be a 500 and reach the logs
 
 

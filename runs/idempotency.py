@@ -13,13 +13,15 @@ from typing import Any
 from django.db import IntegrityError, transaction
 
 from runs.actors import Actor
+from runs.errors import DomainError
 from runs.models import IdempotentRequest, Run
 from runs.registry import digest
 from runs.services import run_create
 
 
-class IdempotencyKeyReused(Exception):
+class IdempotencyKeyReused(DomainError):
     code = "idempotency_key_reused"
+    status = 409
 
 
 def request_digest(body: Any) -> str:

@@ -37,9 +37,9 @@ from django.db.models.functions import Now
 from django.urls import reverse
 
 from runs.actors import Actor, PermissionDenied
+from runs.errors import InvalidState, NotFound
 from runs.outbox import Email
 from runs.record.checkpoint import checkpoint
-from runs.services import InvalidState
 
 EMAIL_CHANNEL = "email"
 # a token is 43 characters (32 bytes, base64url); anything much longer is not one of ours
@@ -50,14 +50,13 @@ USER_AGENT_MAX = 300
 T = TypeVar("T")
 
 
-class LinkInvalid(Exception):
+class LinkInvalid(NotFound):
     """No link has this token: mistyped, truncated or forged."""
-
-    code = "not_found"
 
 
 class LinkUsed(InvalidState):
     code = "already_decided"
+    status = 409
 
 
 class LinkLoginRequired(PermissionDenied):

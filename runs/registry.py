@@ -24,6 +24,8 @@ from typing import Any
 
 import jsonschema
 
+from runs.errors import DomainError
+
 
 class Effect(StrEnum):
     READ = "read"  # no side effect: safe to call again
@@ -820,12 +822,14 @@ class Agent:
         return found
 
 
-class UnknownAgent(LookupError):
-    pass
+class UnknownAgent(DomainError, LookupError):
+    code = "unknown_agent"
+    status = 400
 
 
-class UnknownTool(LookupError):
-    pass
+class UnknownTool(DomainError, LookupError):
+    code = "unknown_agent"  # the API's code for a name the registry does not know
+    status = 400
 
 
 class Registry:

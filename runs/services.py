@@ -17,6 +17,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from runs.actors import Actor
+from runs.errors import InvalidInput, InvalidState
 from runs.models import Run, RunEvent, Signal, Step, ToolCall, ToolReceipt
 from runs.queue import enqueue_on_commit
 from runs.record import runs as record_runs
@@ -29,19 +30,14 @@ from runs.record.runs import run_terminate as record_terminate
 from runs.registry import Effect, UnknownAgent, UnknownTool, registry
 from runs.selectors import toolcall_absence_proven
 
-
-class InvalidState(Exception):
-    code = "invalid_state"
-
-
-class InvalidInput(ValueError):
-    code = "validation_error"
+__all__ = ["InvalidInput", "InvalidState"]  # the domain errors services raise (runs.errors)
 
 
 class UnsafeDispatchUnconfirmed(InvalidState):
     """Dispatching an ``unsafe`` tool again may repeat its effect: the operator must say so."""
 
     code = "unsafe_dispatch_unconfirmed"
+    status = 400
 
 
 class AttestationRequired(InvalidInput):
@@ -49,6 +45,7 @@ class AttestationRequired(InvalidInput):
     lookup that proves absence: the person must attest why, in words that are recorded."""
 
     code = "attestation_required"
+    status = 400
 
 
 class DryRunUnsupported(InvalidInput):
@@ -56,6 +53,7 @@ class DryRunUnsupported(InvalidInput):
     behaviour: such a tool could only be called for real, so the run is refused."""
 
     code = "dry_run_unsupported"
+    status = 400
 
     def __init__(self, agent_name: str, tools: list[str]) -> None:
         self.tools = tools
@@ -66,13 +64,17 @@ class DryRunUnsupported(InvalidInput):
 
 
 class AlreadyPromoted(InvalidState):
+    """A dry run is promoted (started for real) once."""
+
     code = "already_promoted"
+    status = 409
 
 
 class BudgetExhausted(InvalidState):
     """A top-up that would leave the run's budget still exhausted."""
 
     code = "budget_exhausted"
+    status = 409
 
 
 def _validate_input(agent: Any, input: Any) -> None:

@@ -31,7 +31,7 @@ LAST_USED_RESOLUTION = timedelta(seconds=60)
 
 
 class TokenNameTaken(InvalidInput):
-    code = "validation_error"
+    pass
 
 
 def token_hash(raw: str) -> str:

@@ -57,6 +57,7 @@ class AlreadyAnswered(InvalidState):
     """The question was answered already (the first valid answer wins)."""
 
     code = "already_decided"
+    status = 409
 
 
 class QuestionClosed(InvalidState):
@@ -65,6 +66,7 @@ class QuestionClosed(InvalidState):
 
 class SignalKeyReused(InvalidState):
     code = "idempotency_key_reused"
+    status = 409
 
 
 def claimable() -> Q:

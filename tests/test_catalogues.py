@@ -59,3 +59,50 @@ def test_the_docs_list_is_the_catalogue():
     text = (ROOT / "docs" / "audit.md").read_text()
     block = text.split("<!-- event-types:start -->\n", 1)[1].split("\n<!-- event-types:end -->")[0]
     assert block == markdown_table(), "regenerate it: python manage.py event_types"
+
+
+def _documented_codes() -> dict[str, int]:
+    """docs/api.md's error table: ``| status | `code`, `code` | when |``."""
+    text = (ROOT / "docs" / "api.md").read_text()
+    table = text.split("## Errors", 1)[1].split("\n## ", 1)[0]
+    found = {}
+    for line in table.splitlines():
+        match = re.match(r"\| (\d{3}) \| (.+?) \|", line)
+        if match:
+            for code in re.findall(r"`([a-z_]+)`", match.group(2)):
+                found[code] = int(match.group(1))
+    return found
+
+
+def test_every_error_code_is_documented_with_its_status():
+    import agentops.mcp.services  # noqa: F401  (its errors register their codes)
+    import approvals.services  # noqa: F401
+    import runs.api_common  # noqa: F401  (the API's own codes)
+    import runs.remote.toolcalls  # noqa: F401
+    from runs.errors import CODES
+
+    assert _documented_codes() == CODES
+
+
+def test_every_domain_error_has_one_base():
+    """Each error class a service raises with a ``code`` is a ``runs.errors.DomainError``."""
+    from runs.errors import DomainError
+
+    strays = []
+    for path in CODE:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(
+                isinstance(item, ast.Assign)
+                and any(getattr(t, "id", "") == "code" for t in item.targets)
+                for item in node.body
+            ):
+                strays.append((path.relative_to(ROOT), node.name))
+    import importlib
+
+    for path, name in strays:
+        if path.parts[0] == "agentops" and path.parts[1] == "demo":
+            continue  # the sandbox is a downstream of its own
+        module = importlib.import_module(".".join(path.with_suffix("").parts))
+        cls = getattr(module, name)
+        if issubclass(cls, Exception) and name != "JsonRejected":  # the JSON rule's own
+            assert issubclass(cls, DomainError), f"{path}: {name}"

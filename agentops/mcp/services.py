@@ -14,6 +14,7 @@ from django.db.models import Max
 from agentops.mcp.gateway import AGENT_NAME, SIGNAL, exposed_tools
 from agentops.mcp.models import GatewayCall, GatewaySession
 from runs.actors import DRIVE_REMOTE_RUN, Actor, PermissionDenied
+from runs.errors import NotFound
 from runs.models import ApiToken, Run, Step
 from runs.record.checkpoint import checkpoint
 from runs.record.eventtypes import EventType
@@ -30,16 +31,18 @@ class ToolNotOffered(PermissionDenied):
     """The tool is not offered to this principal (not exposed, or not in its groups)."""
 
     code = "tool_not_offered"
+    status = 403
 
 
 class KeyReused(InvalidState):
     """The client's idempotency key was used before for another tool or other arguments."""
 
     code = "idempotency_key_reused"
+    status = 409
 
 
-class RunNotFound(LookupError):
-    code = "not_found"
+class RunNotFound(NotFound):
+    pass
 
 
 def gateway_actor(token: ApiToken) -> Actor:

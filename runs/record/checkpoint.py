@@ -27,6 +27,7 @@ from django.utils import timezone
 
 from runs import faults, metrics, tracing
 from runs.dbtime import DbNow
+from runs.errors import DomainError, NotFound
 from runs.models import Run, RunEvent
 from runs.record import machine, rows
 from runs.record.chain import anchor_hash, event_hash, payload_digest
@@ -34,11 +35,14 @@ from runs.record.common import LOCKED_FIELDS, link_saved, write_rows
 from runs.record.eventtypes import KNOWN as KNOWN_EVENT_TYPES
 
 
-class LeaseLost(Exception):
+class LeaseLost(DomainError):
     """This process no longer holds the run's lease: stop at once, write nothing more."""
 
+    code = "lease_lost"
+    status = 409
 
-class RunNotFound(LookupError):
+
+class RunNotFound(NotFound):
     pass
 
 

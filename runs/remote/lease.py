@@ -18,6 +18,7 @@ from django.db.models.functions import Now
 from runs import engine
 from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
+from runs.errors import DomainError
 from runs.models import AgentManifest, Run, Step, ToolCall
 from runs.record.checkpoint import LeaseLost, RunNotFound, checkpoint
 from runs.record.common import kind_filter
@@ -31,13 +32,15 @@ from runs.tokens import token_hash
 
 class LeaseHeld(InvalidState):
     code = "lease_held"
+    status = 409
 
 
-class LeaseNotYours(Exception):
+class LeaseNotYours(DomainError):
     """A fenced write whose lease token (or principal) is not the current claim's: someone
     who learned the fence (every viewer sees it in the run's events) is not its holder."""
 
     code = "lease_not_yours"
+    status = 403
 
 
 @dataclass

@@ -40,6 +40,7 @@ class SendDeadlinePassed(InvalidState):
     """The pre-send check refused: the dispatch's send deadline has passed. Do not send."""
 
     code = "send_deadline_passed"
+    status = 409
 
     def __init__(self, message: str, *, send_deadline: datetime, resend_after: datetime):
         super().__init__(message)
@@ -50,6 +51,7 @@ class LookupRequired(InvalidInput):
     """An ``absent`` that names no lookup: the lookup must be begun first."""
 
     code = "lookup_required"
+    status = 400
 
 
 class LookupTooEarly(InvalidState):
@@ -57,6 +59,7 @@ class LookupTooEarly(InvalidState):
     proves nothing about a request still on its way."""
 
     code = "lookup_too_early"
+    status = 409
 
     def __init__(self, message: str, *, resend_after: datetime):
         super().__init__(message)
@@ -65,6 +68,7 @@ class LookupTooEarly(InvalidState):
 
 class LookupSuperseded(InvalidState):
     code = "lookup_superseded"
+    status = 409
 
     def __init__(self, message: str, *, latest_lookup: int):
         super().__init__(message)
@@ -75,10 +79,12 @@ class ReconcileRequired(InvalidState):
     """An unknown outcome may not be dispatched again before it was reconciled."""
 
     code = "reconcile_required"
+    status = 409
 
 
 class DispatchTooEarly(InvalidState):
     code = "dispatch_too_early"
+    status = 409
 
     def __init__(self, message: str, *, resend_after: datetime, wait_seconds: float):
         super().__init__(message)

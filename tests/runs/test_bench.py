@@ -16,7 +16,7 @@ from django.conf import settings
 from django.core.management import CommandError, call_command
 from django.db import connection
 
-from runs.bench import agents
+from agentops.bench import agents
 from runs.registry import registry
 
 needs_postgres = pytest.mark.skipif(
@@ -159,3 +159,44 @@ def test_quick_worker_sections_measure_real_workers(tmp_path, roles):
     verdicts = {check["target"]: check["holds"] for check in report["targets"]}
     assert "approval -> dispatch p50 <= 300 ms" in verdicts
     assert connection.vendor == "postgresql"
+
+
+@needs_postgres
+@pytest.mark.django_db(transaction=True)
+def test_the_scale_section_fills_chains_audit_verify_accepts_and_reports_each_read(tmp_path, roles):
+    """Issue 24: ``--only scale`` fills the record with finished runs whose hash chains are
+    real (``audit_verify`` passes on them) and times each read with its plans."""
+    from runs.models import Run
+
+    output = tmp_path / "report.json"
+    call_command(
+        "bench",
+        "--in-place",
+        "--only",
+        "scale",
+        "--scale-runs",
+        "300",
+        "--scale-events",
+        "1500",
+        "--scale-big-events",
+        "60",
+        "--scale-repeat",
+        "2",
+        "--output",
+        str(output),
+        stdout=io.StringIO(),
+        stderr=io.StringIO(),
+    )
+    scale = json.loads(output.read_text())["results"]["scale"]
+    assert scale["runs_in_table"] >= 300 and scale["fill"]["events_per_run"] == 5
+    filled = Run.objects.filter(event_seq=5, status=Run.Status.SUCCEEDED).first()
+    out = io.StringIO()
+    call_command("audit_verify", run=str(filled.id), stdout=out)
+    assert "intact" in out.getvalue()
+    for label in ("dashboard", "runs list", "runs list ?status=failed", "GET /api/v1/runs/"):
+        figures = scale["pages"][label]
+        assert "error" not in figures, figures
+        assert figures["queries"] > 0 and figures["ms_p95"] >= figures["ms_p50"] > 0
+    assert scale["sweeper"]["queries"] > 0 and scale["claim"]["ratio_p50"] > 0
+    assert scale["prune"]["batch"] > 0
+    assert set(scale["targets"]) >= {"pages_ok", "sweeper_ok", "claim_ok", "plans_ok"}

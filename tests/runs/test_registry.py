@@ -187,7 +187,7 @@ def test_a_fingerprint_is_the_same_in_every_process(tmp_path):
         import json, django
         django.setup()
         from agentops.demo.tools import ALL_TOOLS
-        from runs.bench.agents import TOOLS
+        from agentops.bench.agents import TOOLS
         from tests.runs import fingerprinted
         print(json.dumps({t.name: t.version for t in (*ALL_TOOLS, *TOOLS, *fingerprinted.TOOLS)}))
         """
@@ -212,8 +212,8 @@ def test_a_fingerprint_is_the_same_in_every_process(tmp_path):
         )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
+    from agentops.bench.agents import TOOLS
     from agentops.demo.tools import ALL_TOOLS
-    from runs.bench.agents import TOOLS
     from tests.runs import fingerprinted
 
     here = {t.name: t.version for t in (*ALL_TOOLS, *TOOLS, *fingerprinted.TOOLS)}

@@ -29,8 +29,8 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from django.db import OperationalError, connection, connections
 
-from runs.bench import agents, measure
-from runs.bench.database import NotPostgres, bench_database, database_url, require_postgres
+from agentops.bench import agents, measure, scale
+from agentops.bench.database import NotPostgres, bench_database, database_url, require_postgres
 
 # (quick, full): the sizes are the full ones
 SIZES = {
@@ -46,8 +46,15 @@ SIZES = {
     "page_repeat": (10, 30),
     "http_seconds": (2.0, 5.0),
     "limit_seconds": (1.0, 3.0),
+    # the scale section (--only scale): a year of history (docs/benchmarks.md, "Scale")
+    "scale_runs": (20_000, 1_000_000),
+    "scale_events": (200_000, 10_000_000),
+    "scale_big_events": (2_000, 10_000),
+    "scale_repeat": (10, 30),
 }
 SECTIONS = ("throughput", "overhead", "recovery", "approval", "memory", "pages", "http")
+# sections only --only names: make bench without them stays as fast as it was
+OPTIONAL_SECTIONS = ("scale",)
 # DBOS Transact 3.4.0 on this kind of machine (../shared/peers/README.md), used when DBOS
 # is not measured in the same run
 DBOS_REFERENCE = {"steps_per_s_1": 207.0, "steps_per_s_2": 224.0, "step_ms_p50": 5.2}
@@ -72,8 +79,14 @@ class Command(BaseCommand):
         parser.add_argument("--page-repeat", type=int, help="requests timed per page")
         parser.add_argument("--http-seconds", type=float, help="load per URL against gunicorn")
         parser.add_argument("--limit-seconds", type=float, help="INSERT+COMMIT loop length")
+        parser.add_argument("--scale-runs", type=int, help="scale: runs in the record")
+        parser.add_argument("--scale-events", type=int, help="scale: events in the record")
+        parser.add_argument("--scale-big-events", type=int, help="scale: events of the big run")
+        parser.add_argument("--scale-repeat", type=int, help="scale: timings per read")
         parser.add_argument(
-            "--only", help=f"comma-separated sections (default all): {', '.join(SECTIONS)}"
+            "--only",
+            help=f"comma-separated sections (default all but {', '.join(OPTIONAL_SECTIONS)}): "
+            f"{', '.join(SECTIONS + OPTIONAL_SECTIONS)}",
         )
         parser.add_argument("--output", help="JSON path (default bench/results/<date>-<host>.json)")
         parser.add_argument(
@@ -115,7 +128,7 @@ class Command(BaseCommand):
         only = set(SECTIONS)
         if options["only"]:
             only = {name.strip() for name in options["only"].split(",") if name.strip()}
-            unknown = only - set(SECTIONS)
+            unknown = only - set(SECTIONS) - set(OPTIONAL_SECTIONS)
             if unknown:
                 raise CommandError(f"unknown sections: {', '.join(sorted(unknown))}")
         size = {key: values[0 if options["quick"] else 1] for key, values in SIZES.items()}
@@ -124,6 +137,13 @@ class Command(BaseCommand):
                 size[key] = tuple(options[key]) if key == "memory_steps" else options[key]
         if size["runs"] < 1 or size["steps"] < 1:
             raise CommandError("--runs and --steps must be at least 1")
+        if min(size["scale_runs"], size["scale_big_events"], size["scale_repeat"]) < 1 or (
+            size["scale_events"] < 2 * size["scale_runs"]
+        ):
+            raise CommandError(
+                "--scale-runs, --scale-big-events and --scale-repeat must be at least 1, "
+                "--scale-events at least twice --scale-runs"
+            )
         self._task_processes = options["task_processes"]
         if self._task_processes is not None and self._task_processes < 1:
             raise CommandError("--task-processes must be at least 1")
@@ -305,6 +325,14 @@ class Command(BaseCommand):
                     clients=4,
                     port=_free_port(),
                 )
+        if "scale" in only:
+            results["scale"] = scale.scale(
+                ctx.say,
+                runs=size["scale_runs"],
+                events=size["scale_events"],
+                big_events=size["scale_big_events"],
+                repeat=size["scale_repeat"],
+            )
         return results
 
     def _section(self, ctx: measure.Context, name: str, run: Any) -> dict:
@@ -398,7 +426,7 @@ def dbos_throughput(ctx: measure.Context, workers: int, runs: int, steps: int) -
         return {"skipped": "DBOS printed no result"}
     from psycopg import sql
 
-    from runs.bench.database import admin_connect
+    from agentops.bench.database import admin_connect
 
     with admin_connect(ctx.settings_dict) as admin:
         admin.execute(
@@ -526,6 +554,37 @@ def targets(results: dict) -> list[dict]:
         checks.append(
             _check("worker RSS growth < 10%", memory["growth_pct"], 10, memory["growth_pct"] < 10)
         )
+    sc = results.get("scale")
+    if sc:
+        t = sc["targets"]
+        runs = sc.get("runs_in_table")
+        checks += [
+            _check(
+                f"scale: pages p95 <= 150 ms ({runs} runs)",
+                t["pages_p95_max_ms"],
+                150,
+                t["pages_ok"],
+                "the slowest page or filter",
+            ),
+            _check(
+                "scale: sweeper tick p95 <= 50 ms",
+                sc["sweeper"]["ms_p95"],
+                50,
+                t["sweeper_ok"],
+            ),
+            _check(
+                "scale: claim within 10 % of the small table's (p50)",
+                sc["claim"]["ratio_p50"],
+                1.10,
+                t["claim_ok"],
+            ),
+            _check(
+                "scale: no sequential scan of a growing table",
+                ", ".join(t["sequential_scans"]) or "none",
+                "none",
+                t["plans_ok"],
+            ),
+        ]
     return checks
 
 
@@ -606,6 +665,32 @@ def table(report: dict) -> str:
                 f"{f['queries']:>3} queries ({f.get('queries_with_few_rows')} with few rows)"
                 + (f"  {rps} req/s (gunicorn)" if rps is not None else "")
             )
+    sc = results.get("scale")
+    if sc:
+        fill = sc["fill"]
+        lines += [
+            "",
+            f"scale ({sc['runs_in_table']} runs, ~{sc['events_in_table']} events; filled in "
+            f"{fill['total_s']} s: chain {fill['chain_s']} s, runs {fill['runs_s']} s, events "
+            f"{fill['events_s']} s, analyze {fill['analyze_s']} s)",
+            f"  claim p50 {sc['claim']['small_table']['ms_p50']} ms on a small table, "
+            f"{sc['claim']['large_table']['ms_p50']} ms here (x{sc['claim']['ratio_p50']})",
+        ]
+        for label, f in {"sweeper tick": sc["sweeper"], **sc["pages"]}.items():
+            if "error" in f:
+                lines.append(f"  {label:<36} {f['error']}")
+                continue
+            scans = ", ".join(f["seq_scans"])
+            lines.append(
+                f"  {label:<36} p50 {_f(f['ms_p50']):>7} ms  p95 {_f(f['ms_p95']):>7} ms  "
+                f"{f['queries']:>3} queries" + (f"  SEQ SCAN {scans}" if scans else "")
+            )
+        prune = sc["prune"]
+        lines.append(
+            f"  audit_verify --run (big run) {sc['audit_verify_one_run_s']} s; prune: "
+            f"candidates {prune['candidates_ms']} ms, {prune['per_run_ms']} ms per run "
+            f"(batch of {prune['batch']})"
+        )
     if report["targets"]:
         lines += ["", "targets"]
         for check in report["targets"]:

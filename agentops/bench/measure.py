@@ -22,16 +22,16 @@ import psycopg
 from django.db import connection
 from django.db.models import Max, Min
 
-from runs import engine, queue, services
-from runs.actors import Actor
-from runs.bench import agents
-from runs.bench.database import conninfo, xact_commits
-from runs.bench.procs import (
+from agentops.bench import agents
+from agentops.bench.database import conninfo, xact_commits
+from agentops.bench.procs import (
     BenchWorker,
     WorkerFailed,
     cpu_seconds,
     rss_bytes,
 )
+from runs import engine, queue, services
+from runs.actors import Actor
 from runs.models import Run, RunEvent
 from runs.record.eventtypes import EventType
 
@@ -693,7 +693,7 @@ def http_load(
     ``clients`` concurrent keep-alive connections from a small threaded client."""
     import httpx
 
-    from runs.bench.procs import gunicorn
+    from agentops.bench.procs import gunicorn
 
     ctx.say(f"http: gunicorn, {clients} clients, {seconds}s per URL")
     server = gunicorn(ctx, port=port)
