@@ -161,6 +161,15 @@ class Run(models.Model):
             # update that touches no indexed column stays HOT (docs/benchmarks.md)
             models.Index(fields=["-created_at", "-id"], name="run_created_idx"),
             models.Index(fields=["agent_name", "-created_at"], name="run_agent_created_idx"),
+            # the runs list's filters by reason and by principal, newest first: without them
+            # a rare value walks every run (seconds at a million: docs/benchmarks.md, Scale);
+            # set once per run (a park, the end), never on a step: updates stay HOT
+            models.Index(
+                fields=["reason_code", "-created_at"],
+                name="run_reason_created_idx",
+                condition=~Q(reason_code=""),
+            ),
+            models.Index(fields=["principal", "-created_at"], name="run_principal_created_idx"),
             models.Index(fields=["lease_owner"], name="run_lease_owner_idx"),
             # the sweeper: waits whose timer or timeout fell due (runs.waits.claimable)
             models.Index(

@@ -10,6 +10,9 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.cache import cache
+from django.db import connection
 from django.db.models import (
     BooleanField,
     Case,
@@ -54,16 +57,51 @@ _LIST_FIELDS = (
 )
 
 
+# Above this many runs (the planner's estimate), the ended runs' counts come from a cache
+# refreshed every ENDED_COUNTS_SECONDS: counting a million ended runs costs ~100 ms a page
+# (docs/benchmarks.md, "Scale"), and they change only by growing. The runs that may need
+# someone (every status but the ended ones) are always counted exactly.
+EXACT_COUNTS_UP_TO = 100_000
+ENDED_COUNTS_SECONDS = 60
+
+
 def run_status_counts(*, agent: str | None = None) -> dict[str, int]:
     """How many runs are in each status (every status present, zeros included), optionally
-    of one agent only: one query."""
+    of one agent only. The live statuses exactly, always; the ended ones exactly up to
+    ``EXACT_COUNTS_UP_TO`` runs, then as counted at most ``ENDED_COUNTS_SECONDS`` ago."""
     counts = dict.fromkeys(Run.Status.values, 0)
     runs = Run.objects.filter(agent_name=agent) if agent else Run.objects.all()
-    # COUNT(*): the (status, created_at) index alone answers it (an index-only scan)
-    rows = runs.order_by().values_list("status").annotate(n=Count("*"))
-    for status, n in rows:
-        counts[status] = n
+    if _runs_estimate() <= EXACT_COUNTS_UP_TO:
+        counts.update(_counts(runs))
+        return counts
+    # named, not "not ended": each status is then a range of the (status, created_at) index
+    live = [status for status in Run.Status.values if status not in Run.TERMINAL]
+    counts.update(_counts(runs.filter(status__in=live)))
+    key = f"agentops:ended-run-counts:{agent or ''}"
+    ended = cache.get(key)
+    if ended is None:
+        ended = _counts(runs.filter(status__in=Run.TERMINAL))
+        cache.set(key, ended, ENDED_COUNTS_SECONDS)
+    counts.update(ended)
     return counts
+
+
+def _counts(runs: QuerySet[Run]) -> dict[str, int]:
+    # COUNT(*): the (status, created_at) index alone answers it (an index-only scan)
+    return dict(runs.order_by().values_list("status").annotate(n=Count("*")))
+
+
+def _runs_estimate() -> int:
+    """The planner's row estimate for the runs table (PostgreSQL; 0 elsewhere: exact)."""
+    if connection.vendor != "postgresql":
+        return 0
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT reltuples::bigint FROM pg_class WHERE oid = %s::regclass",
+            [Run._meta.db_table],
+        )
+        row = cursor.fetchone()
+    return int(row[0]) if row else 0
 
 
 def run_get(*, run_id: Any) -> Run:
@@ -566,7 +604,14 @@ def _searchable_input(text: str) -> Q:
     found = Q(pk__in=[])
     for agent in registry.agents():
         for field in agent.searchable_input:
-            found |= Q(agent_name=agent.name, **{f"input__{field}": text})
+            # on PostgreSQL as containment (``@>``): the input's GIN index answers it
+            # (run_input_path_idx); SQLite has no JSON containment
+            match = (
+                {"input__contains": {field: text}}
+                if connection.vendor == "postgresql"
+                else {f"input__{field}": text}
+            )
+            found |= Q(agent_name=agent.name, **match)
     return found
 
 
@@ -595,7 +640,12 @@ def run_search(
     if agent:
         runs = runs.filter(agent_name=agent)
     if principal:
-        runs = runs.filter(principal__username=principal)
+        # the principal's id first: filtered by it, the runs' principal index answers (by
+        # name, the planner walks every run looking for the name)
+        principal_id = (
+            get_user_model().objects.filter(username=principal).values_list("id", flat=True).first()
+        )
+        runs = runs.filter(principal_id=principal_id) if principal_id else runs.none()
     if since is not None:
         runs = runs.filter(created_at__gte=since)
     if until is not None:
