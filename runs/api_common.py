@@ -56,6 +56,15 @@ STATUS_BY_CODE: dict[str, int] = {
     "dispatch_too_early": 409,
     # an absent lookup must name the lookup it reports (POST /tool-calls/{id}/lookups/)
     "lookup_required": 400,
+    # issue 27: a remote agent's own call id, its state patches, its conversation history
+    "client_call_id_conflict": 409,
+    "invalid_patch": 400,
+    "patch_test_failed": 409,
+    "patch_not_applicable": 409,
+    "state_version_mismatch": 409,
+    "message_too_large": 400,
+    "history_full": 409,
+    "history_conflict": 409,
     "unsupported_media_type": 415,
     # runs.jsonlimits: input over the JSON rule's limits, or with a NUL character
     "json_too_deep": 400,
@@ -261,6 +270,17 @@ class ErrorSerializer(serializers.Serializer):
     )
     latest_lookup = serializers.IntegerField(
         required=False, help_text="lookup_superseded: the latest lookup begun (report that one)."
+    )
+    tool_call = serializers.IntegerField(
+        required=False, help_text="client_call_id_conflict: the call the id already names."
+    )
+    state_version = serializers.IntegerField(
+        required=False,
+        help_text="state_version_mismatch, patch_test_failed, patch_not_applicable: the run "
+        "state's current version (read it again, then patch).",
+    )
+    last_seq = serializers.IntegerField(
+        required=False, help_text="history_conflict: the seq of the history's last message."
     )
 
 

@@ -66,6 +66,8 @@ EVENT_TYPES = sorted(
         "run.terminated",
         "run.terminate_requested",
         "run.pruned",
+        # a remote agent's JSON patch of its run's state (runs.remote.history)
+        "run.state_patched",
         # the MCP gateway (agentops/mcp): a client's tools/call recorded in its run
         "mcp.call_received",
     }
