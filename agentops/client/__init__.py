@@ -977,7 +977,7 @@ class RemoteRun:
         }
         if state_version is not None:
             body["state_version"] = state_version
-        return self.client.request("PATCH", f"runs/{self.run_id}/state/", json=body)
+        return self.client.request("POST", f"runs/{self.run_id}/state/", json=body)
 
     def append_messages(
         self, messages: Sequence[Any], *, after_seq: int | None = None

@@ -16,12 +16,17 @@ from runs import remote
 from runs.api.remote import MAX_SEQ, FenceSerializer, _input, _json_value, _lease
 from runs.api_common import QueryParamsSerializer, actor_for, errors
 
-# --- PATCH /runs/{id}/state/ ---------------------------------------------------------------------
+# --- POST /runs/{id}/state/ ---------------------------------------------------------------------
+
+
+# RFC 6901: "" or "/"-separated tokens in which "~" only escapes "~" (~0) and "/" (~1)
+JSON_POINTER = r"^(/([^~/\x00]|~[01])*)*$"
 
 
 class PatchOperationSerializer(serializers.Serializer):
     op = serializers.ChoiceField(choices=["add", "remove", "replace", "move", "copy", "test"])
-    path = serializers.CharField(
+    path = serializers.RegexField(
+        JSON_POINTER,
         max_length=2000,
         allow_blank=True,
         trim_whitespace=False,
@@ -33,8 +38,10 @@ class PatchOperationSerializer(serializers.Serializer):
         allow_null=True,
         help_text="add, replace, test: the value (any JSON, null included).",
     )
-    from_ = serializers.CharField(
+    from_ = serializers.RegexField(
+        JSON_POINTER,
         max_length=2000,
+        allow_blank=True,
         required=False,
         trim_whitespace=False,
         help_text="move, copy: the JSON Pointer to take the value from.",
@@ -97,7 +104,7 @@ class StatePatchApi(APIView):
             ),
         },
     )
-    def patch(self, request, run_id):
+    def post(self, request, run_id):
         data = _input(StatePatchInputSerializer, request)
         patched = remote.remote_state_patch(
             run_id=run_id,
@@ -115,10 +122,10 @@ class StatePatchApi(APIView):
 
 class MessagesAppendInputSerializer(FenceSerializer):
     messages = serializers.ListField(
-        child=serializers.JSONField(),
+        child=serializers.DictField(),
         min_length=1,
         max_length=1000,
-        help_text="The messages to append, in order: any JSON values (your framework's own "
+        help_text="The messages to append, in order: JSON objects (your framework's own "
         "message objects). Each at most AGENTOPS_HISTORY_MAX_MESSAGE_BYTES of JSON "
         "(message_too_large); the run's whole history at most AGENTOPS_HISTORY_MAX_BYTES "
         "(history_full).",

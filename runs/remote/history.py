@@ -89,8 +89,15 @@ def _apply(state: dict[str, Any], patch: list[Any], version: int) -> dict[str, A
                 f"apply to the state: {exc}; nothing was changed",
                 state_version=version,
             ) from None
-        except (jsonpatch.InvalidJsonPatch, TypeError, ValueError) as exc:
+        except jsonpatch.InvalidJsonPatch as exc:
             raise InvalidPatch(f"operation {index}: {exc}") from None
+        except (TypeError, ValueError, KeyError, IndexError) as exc:
+            # e.g. a member added inside a string: the state has no such place
+            raise PatchNotApplicable(
+                f"operation {index} ({operation.get('op')} {operation.get('path')}) does not "
+                f"apply to the state: {exc!r}; nothing was changed",
+                state_version=version,
+            ) from None
         if operation.get("op") == "copy" and _compact_size(document) > max_bytes:
             raise jsonlimits.JsonRejected(
                 "json_too_large", f"the patched state would be over {max_bytes} bytes"
@@ -231,7 +238,7 @@ def remote_messages_append(
     messages: Any,
     after_seq: int | None = None,
 ) -> MessagesAppended:
-    """Append ``messages`` (any JSON values: the framework's own message objects) to the
+    """Append ``messages`` (JSON objects: the framework's own message objects) to the
     run's history, in order, under the lease. ``after_seq`` (optional): the seq of the last
     message this process knows of — the append is refused (``history_conflict``, with the
     real ``last_seq``) if another came since, and a retry of a recorded append (same fence,
@@ -240,6 +247,8 @@ def remote_messages_append(
     (the run's history would pass ``HISTORY_MAX_BYTES``). Not part of the record: no event."""
     if not isinstance(messages, list) or not messages:
         raise InvalidInput("messages must be a non-empty JSON array")
+    if not all(isinstance(message, dict) for message in messages):
+        raise InvalidInput("each message must be a JSON object")
     max_message, max_total = _history_limits()
     sizes = [_compact_size(message) for message in messages]
     for index, size in enumerate(sizes):

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("roles")]
 
 def _patch(agent, patch, **extra):
     body = {"fence": agent.fence, "lease_token": agent.lease_token, "patch": patch, **extra}
-    return agent.client.patch(f"/api/v1/runs/{agent.run_id}/state/", body, format="json")
+    return agent.client.post(f"/api/v1/runs/{agent.run_id}/state/", body, format="json")
 
 
 def _state(run: Run) -> tuple[dict, int]:
