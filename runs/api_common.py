@@ -74,6 +74,26 @@ STATUS_BY_CODE: dict[str, int] = {
 }
 
 
+class StrictCharField(serializers.CharField):
+    """Text that must be sent as a JSON string: DRF's CharField turns a number into its text,
+    which the schema (``type: string``) says is refused."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """true or false, as JSON: DRF's BooleanField also takes 0, 1, "yes", "on"..., which the
+    schema (``type: boolean``) says are refused."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            self.fail("invalid", input=data)
+        return data
+
+
 class ApiError(exceptions.APIException):
     """A domain error raised by an API view itself (not by a service)."""
 

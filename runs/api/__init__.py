@@ -33,6 +33,8 @@ from runs.api_common import (
     IdCursorPagination,
     QueryParamsSerializer,
     SeqPagination,
+    StrictBooleanField,
+    StrictCharField,
     actor_for,
     errors,
     readable,
@@ -451,17 +453,15 @@ class ResolutionInputSerializer(serializers.Serializer):
     outcome = serializers.ChoiceField(
         choices=["happened", "not_happened", "dispatch_again", "reconcile"]
     )
-    external_ref = serializers.CharField(
-        max_length=200, required=False, allow_blank=True, default=""
-    )
+    external_ref = StrictCharField(max_length=200, required=False, allow_blank=True, default="")
     result = serializers.JSONField(
         required=False, allow_null=True, default=None, help_text="For happened: the result."
     )
-    confirm_risk = serializers.BooleanField(
+    confirm_risk = StrictBooleanField(
         default=False,
         help_text="Required to dispatch an unsafe tool again (it may repeat its effect).",
     )
-    attestation = serializers.CharField(
+    attestation = StrictCharField(
         max_length=2000,
         required=False,
         allow_blank=True,
