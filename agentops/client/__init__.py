@@ -358,6 +358,7 @@ class Resume:
     waits: list[WaitOutcome] = field(default_factory=list)
     # the state's version (a JSON patch made against it passes ``state_version``)
     state_version: int = 0
+    server_next_seq: int | None = None
 
     @property
     def last_wait(self) -> WaitOutcome | None:
@@ -365,7 +366,10 @@ class Resume:
 
     @property
     def next_seq(self) -> int:
-        """The number the run's next step gets (pass it as ``seq`` to make a retry safe)."""
+        """The number the run's next step gets (pass it as ``seq`` to make a retry safe):
+        the server's ``next_seq``, or worked out from the steps of an older server's packet."""
+        if self.server_next_seq is not None:
+            return self.server_next_seq
         seqs = [s["seq"] for s in self.steps] + [c.step_seq for c in self.open_tool_calls]
         return max(seqs, default=0) + 1
 
@@ -385,6 +389,7 @@ class Resume:
             migrated_from=data.get("migrated_from"),
             migrations=list(data.get("migrations") or []),
             state_version=int(data.get("state_version") or 0),
+            server_next_seq=data.get("next_seq"),
             waits=[
                 WaitOutcome.from_json(step["seq"], step.get("output"), step["wait"])
                 for step in steps
