@@ -7,6 +7,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitVie
 
 from approvals import api as approvals_api
 from runs import api as runs_api
+from runs.api import history as history_api
 from runs.api import questions as questions_api
 from runs.api import remote as remote_api
 
@@ -45,6 +46,8 @@ v1 = [
     path("runs/<uuid:run_id>/tool-calls/", remote_api.ProposeApi.as_view(), name="run-tool-calls"),
     path("runs/<uuid:run_id>/waits/", remote_api.WaitApi.as_view(), name="run-waits"),
     path("runs/<uuid:run_id>/finish/", remote_api.FinishApi.as_view(), name="run-finish"),
+    path("runs/<uuid:run_id>/state/", history_api.StatePatchApi.as_view(), name="run-state"),
+    path("runs/<uuid:run_id>/messages/", history_api.MessagesApi.as_view(), name="run-messages"),
     path("tool-calls/", runs_api.ToolCallListApi.as_view(), name="tool-calls"),
     path(
         "tool-calls/<int:tool_call_id>/dispatch/",

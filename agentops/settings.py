@@ -415,6 +415,13 @@ AGENTOPS = {
     "JSON_MAX_DEPTH": env_int("AGENTOPS_JSON_MAX_DEPTH", 32),
     "JSON_MAX_BYTES": env_int("AGENTOPS_JSON_MAX_BYTES", 1024 * 1024),
     "JSON_MAX_STRING": env_int("AGENTOPS_JSON_MAX_STRING", 64 * 1024),
+    # issue 27: a remote run's conversation history (non-authoritative, runs.remote.history):
+    # at most this many bytes of JSON per message, and in all per run
+    "HISTORY_MAX_MESSAGE_BYTES": env_int("AGENTOPS_HISTORY_MAX_MESSAGE_BYTES", 256 * 1024),
+    "HISTORY_MAX_BYTES": env_int("AGENTOPS_HISTORY_MAX_BYTES", 16 * 1024 * 1024),
+    # long polls (?wait=N on a run or an approval) held at once per API token in one web
+    # process; more are answered at once (runs.api.longpoll)
+    "LONG_POLLS_PER_TOKEN": env_int("AGENTOPS_LONG_POLLS_PER_TOKEN", 2),
     # DESIGN §9: a dispatched request may leave only within this many seconds of its
     # ``dispatching`` commit (and never after that commit's lease expiry): its send deadline
     "SEND_WINDOW": env_float("AGENTOPS_SEND_WINDOW", 2.0),

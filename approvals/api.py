@@ -11,7 +11,7 @@ from rest_framework.views import APIView
 
 from approvals.models import Approval, ApprovalDecision
 from approvals.services import approval_decide
-from runs.api import MaskedSerializerMixin, _reject_null_characters
+from runs.api import MaskedSerializerMixin, _reject_null_characters, longpoll
 from runs.api_common import (
     ApiError,
     IdCursorPagination,
@@ -148,13 +148,27 @@ class ApprovalDetailApi(APIView):
 
     @extend_schema(
         summary="One approval with its decisions",
-        responses={200: ApprovalSerializer, **errors("not_found")},
+        description="`?wait=N` (at most 30): while the approval is pending, the answer is held "
+        "until its status changes or N seconds passed (runs.api.longpoll).",
+        parameters=[longpoll.WaitQuerySerializer],
+        responses={200: ApprovalSerializer, **errors("validation_error", "not_found")},
     )
     def get(self, request, approval_id):
-        approval = _approvals().filter(id=approval_id).first()
-        if approval is None:
+        seconds = longpoll.wait_seconds(request)
+        if not Approval.objects.filter(id=approval_id).exists():
             raise ApiError("not_found", "Not found.")
-        return Response(ApprovalSerializer(approval, context={"request": request}).data)
+        ended = longpoll.hold(
+            request,
+            lambda: (
+                Approval.objects.filter(id=approval_id).values_list("status", flat=True).first()
+            ),
+            waiting=lambda status: status == Approval.Status.PENDING,
+            seconds=seconds,
+        )
+        approval = _approvals().get(id=approval_id)
+        response = Response(ApprovalSerializer(approval, context={"request": request}).data)
+        response[longpoll.HEADER] = ended
+        return response
 
 
 class ApprovalDecideApi(APIView):

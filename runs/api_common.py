@@ -49,6 +49,26 @@ for _code, _status in (
 STATUS_BY_CODE: dict[str, int] = CODES
 
 
+class StrictCharField(serializers.CharField):
+    """Text that must be sent as a JSON string: DRF's CharField turns a number into its text,
+    which the schema (``type: string``) says is refused."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
+class StrictBooleanField(serializers.BooleanField):
+    """true or false, as JSON: DRF's BooleanField also takes 0, 1, "yes", "on"..., which the
+    schema (``type: boolean``) says are refused."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, bool):
+            self.fail("invalid", input=data)
+        return data
+
+
 class ApiError(exceptions.APIException):
     """A domain error raised by an API view itself (not by a service)."""
 
@@ -239,6 +259,17 @@ class ErrorSerializer(serializers.Serializer):
     )
     latest_lookup = serializers.IntegerField(
         required=False, help_text="lookup_superseded: the latest lookup begun (report that one)."
+    )
+    tool_call = serializers.IntegerField(
+        required=False, help_text="client_call_id_conflict: the call the id already names."
+    )
+    state_version = serializers.IntegerField(
+        required=False,
+        help_text="state_version_mismatch, patch_test_failed, patch_not_applicable: the run "
+        "state's current version (read it again, then patch).",
+    )
+    last_seq = serializers.IntegerField(
+        required=False, help_text="history_conflict: the seq of the history's last message."
     )
 
 

@@ -259,6 +259,9 @@ class ToolCall(models.Model):
     # a seq its family already used either shares that key (the same call: reconciled,
     # never blindly repeated) or takes ``<fork run id>:<seq>`` (a different call).
     idempotency_key = models.CharField(max_length=100)
+    # a remote agent's own id for the call (its framework's tool-call id), empty if none:
+    # proposing it again in the run answers this call (runs.remote.toolcalls)
+    client_call_id = models.CharField(max_length=200, blank=True, default="")
     status = models.CharField(max_length=20, choices=Status.choices, default=Status.PROPOSED)
     attempt_count = models.PositiveIntegerField(default=0)
     dispatched_at = models.DateTimeField(null=True, blank=True)
@@ -291,7 +294,14 @@ class ToolCall(models.Model):
     class Meta:
         ordering = ["run", "step__seq"]
         constraints = [
-            models.UniqueConstraint(fields=["run", "idempotency_key"], name="toolcall_run_key_uniq")
+            models.UniqueConstraint(
+                fields=["run", "idempotency_key"], name="toolcall_run_key_uniq"
+            ),
+            models.UniqueConstraint(
+                fields=["run", "client_call_id"],
+                condition=~Q(client_call_id=""),
+                name="toolcall_run_client_id_uniq",
+            ),
         ]
         indexes = [
             models.Index(
@@ -350,6 +360,31 @@ class ToolReceipt(models.Model):
 
     def __str__(self) -> str:
         return f"receipt {self.outcome} for {self.tool_call_id}"
+
+
+class RunMessage(models.Model):
+    """A remote agent's conversation history (issue 27): the messages its framework keeps
+    (model requests and answers, tool results), appended by the lease holder and read back
+    to rebuild them on resume. NOT part of the record: no event, no hash chain, nothing the
+    engine decides from; the steps, calls and receipts are the truth (DESIGN §2)."""
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="messages")
+    seq = models.PositiveIntegerField()  # 1, 2, ... per run
+    message = models.JSONField()
+    size = models.PositiveIntegerField()  # bytes of the message's JSON, for the per-run cap
+    digest = models.CharField(max_length=64)  # a retried append is recognised by it
+    written_by = models.CharField(max_length=200)
+    incarnation = models.PositiveBigIntegerField()
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["run", "seq"]
+        constraints = [
+            models.UniqueConstraint(fields=["run", "seq"], name="runmessage_run_seq_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return f"message {self.seq} of {self.run_id}"
 
 
 class Signal(models.Model):

@@ -618,6 +618,8 @@ def _type_name(cls: type) -> str:
 class CallTool:
     tool: str
     arguments: Mapping[str, Any]
+    # a remote agent's own id for the call (its framework's tool-call id): stored with it
+    client_call_id: str = ""
 
 
 @dataclass(frozen=True)

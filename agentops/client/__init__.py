@@ -49,6 +49,14 @@ __all__ = [
     "ApiError",
     "BadPauseSpec",
     "Client",
+    "ClientCallIdConflict",
+    "HistoryConflict",
+    "HistoryFull",
+    "InvalidPatch",
+    "MessageTooLarge",
+    "PatchNotApplicable",
+    "PatchTestFailed",
+    "StateVersionMismatch",
     "Dispatch",
     "DispatchTooEarly",
     "Executed",
@@ -72,6 +80,11 @@ __all__ = [
     "WebhookVerificationError",
     "verify_webhook",
 ]
+
+# the server holds a long poll (?wait=) at most this long
+LONG_POLL_MAX = 30
+# a run waiting for a person or an event (what wait_for_run waits to see end)
+PARKED = ("waiting_approval", "waiting_event", "needs_attention", "paused")
 
 SIGNATURE_HEADER = "Agentops-Webhook-Signature"
 TIMESTAMP_HEADER = "Agentops-Webhook-Timestamp"
@@ -172,7 +185,48 @@ class DispatchTooEarly(InvalidState):
     """The original request may still land until ``resend_after``."""
 
 
+class ClientCallIdConflict(InvalidState):
+    """The ``call_id`` was proposed before with another tool or other arguments (the call it
+    names: ``exc.body["tool_call"]``)."""
+
+
+class InvalidPatch(ValidationError):
+    """Not an RFC 6902 patch."""
+
+
+class PatchTestFailed(InvalidState):
+    """A ``test`` operation of the patch failed: nothing changed (``exc.body["state_version"]``)."""
+
+
+class PatchNotApplicable(InvalidState):
+    """The patch does not apply to the state as it is: nothing changed."""
+
+
+class StateVersionMismatch(InvalidState):
+    """The state is not at the ``state_version`` the patch was made against."""
+
+
+class MessageTooLarge(ValidationError):
+    pass
+
+
+class HistoryFull(InvalidState):
+    pass
+
+
+class HistoryConflict(InvalidState):
+    """Another message came after ``after_seq`` (``exc.body["last_seq"]``)."""
+
+
 _ERRORS: dict[str, type[ApiError]] = {
+    "client_call_id_conflict": ClientCallIdConflict,
+    "invalid_patch": InvalidPatch,
+    "patch_test_failed": PatchTestFailed,
+    "patch_not_applicable": PatchNotApplicable,
+    "state_version_mismatch": StateVersionMismatch,
+    "message_too_large": MessageTooLarge,
+    "history_full": HistoryFull,
+    "history_conflict": HistoryConflict,
     "send_deadline_passed": SendDeadlinePassed,
     "lookup_required": LookupRequired,
     "lookup_too_early": LookupTooEarly,
@@ -208,6 +262,7 @@ class ToolCallInfo:
     dispatched_at: str | None
     approval: int | None
     last_error: str = ""
+    client_call_id: str = ""  # the id given at propose (``call_id``), "" if none
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> ToolCallInfo:
@@ -222,6 +277,7 @@ class ToolCallInfo:
             dispatched_at=data.get("dispatched_at"),
             approval=data.get("approval"),
             last_error=data.get("last_error", ""),
+            client_call_id=data.get("client_call_id") or "",
         )
 
 
@@ -302,6 +358,9 @@ class Resume:
     waits: list[WaitOutcome] = field(default_factory=list)
     # a dry run: no tool that is not read may be executed (``RemoteRun.execute`` refuses)
     dry_run: bool = False
+    # the state's version (a JSON patch made against it passes ``state_version``)
+    state_version: int = 0
+    server_next_seq: int | None = None
 
     @property
     def last_wait(self) -> WaitOutcome | None:
@@ -309,7 +368,10 @@ class Resume:
 
     @property
     def next_seq(self) -> int:
-        """The number the run's next step gets (pass it as ``seq`` to make a retry safe)."""
+        """The number the run's next step gets (pass it as ``seq`` to make a retry safe):
+        the server's ``next_seq``, or worked out from the steps of an older server's packet."""
+        if self.server_next_seq is not None:
+            return self.server_next_seq
         seqs = [s["seq"] for s in self.steps] + [c.step_seq for c in self.open_tool_calls]
         return max(seqs, default=0) + 1
 
@@ -329,6 +391,8 @@ class Resume:
             migrated_from=data.get("migrated_from"),
             migrations=list(data.get("migrations") or []),
             dry_run=bool(data.get("dry_run", False)),
+            state_version=int(data.get("state_version") or 0),
+            server_next_seq=data.get("next_seq"),
             waits=[
                 WaitOutcome.from_json(step["seq"], step.get("output"), step["wait"])
                 for step in steps
@@ -347,6 +411,10 @@ class Proposal:
     tool_call_id: int | None
     approval_id: int | None
     error: str
+    # the same call_id proposed before: its call, as it stands (decision may then also be
+    # succeeded, failed, rejected, cancelled or unknown)
+    replayed: bool = False
+    call_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -630,13 +698,20 @@ class Client:
         json: Any = None,
         params: Mapping[str, Any] | None = None,
         headers: Mapping[str, str] | None = None,
+        timeout: float | None = None,
     ) -> Any:
         """One request; an error answer raises the ``ApiError`` for its code. Nothing is
         retried here: a write may have been applied when its answer was lost, and only the
         caller knows whether sending it again is safe."""
+        extra: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
         response = self._http.request(
-            method, path.lstrip("/"), json=json, params=params, headers=headers
+            method, path.lstrip("/"), json=json, params=params, headers=headers, **extra
         )
+        return self._answer(response)
+
+    @staticmethod
+    def _answer(response: httpx.Response) -> Any:
+        """The answer's JSON; an error answer raises the ``ApiError`` for its code."""
         if response.status_code >= 400:
             try:
                 body = response.json()
@@ -667,19 +742,54 @@ class Client:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key else None
         return self.request("POST", "runs/", json=body, headers=headers)
 
-    def get_run(self, run_id: str) -> dict[str, Any]:
-        return self.request("GET", f"runs/{run_id}/")
+    def _long_poll(self, path: str, wait: float | None) -> Any:
+        if not wait:
+            return self.request("GET", path)
+        seconds = max(0, min(int(wait), LONG_POLL_MAX))
+        # the server holds the answer up to ``seconds``: the read may take that long
+        base = self._http.timeout.read or 10.0
+        return self.request("GET", path, params={"wait": seconds}, timeout=seconds + base)
 
-    def events(self, run_id: str, *, after_seq: int = 0) -> Iterator[dict[str, Any]]:
-        """Every event after ``after_seq``, page by page."""
+    def get_run(self, run_id: str, *, wait: float | None = None) -> dict[str, Any]:
+        """The run. ``wait`` (seconds, at most 30): while it is parked for a person or an
+        event (``waiting_approval``, ``waiting_event``, ``needs_attention``, ``paused``), the
+        server answers as soon as its status changes, or after ``wait`` seconds."""
+        return self._long_poll(f"runs/{run_id}/", wait)
+
+    def wait_for_run(
+        self, run_id: str, *, timeout: float = 3600.0, parked: Sequence[str] = PARKED
+    ) -> dict[str, Any]:
+        """Long-poll the run until it is no longer ``parked`` (an approval decided, a wait
+        ended: it is ``queued`` for an agent process) or ``timeout`` seconds passed; returns
+        the run as last read. No webhook receiver needed, one request slot held at a time."""
+        deadline = time.monotonic() + timeout
         while True:
-            page = self.request(
-                "GET", f"runs/{run_id}/events/", params={"after_seq": after_seq, "limit": 500}
-            )
+            run = self.get_run(run_id, wait=min(LONG_POLL_MAX, max(deadline - time.monotonic(), 0)))
+            if run["status"] not in parked or time.monotonic() >= deadline:
+                return run
+
+    def get_approval(self, approval_id: int, *, wait: float | None = None) -> dict[str, Any]:
+        """An approval (for principals that may read approvals). ``wait`` (at most 30): while
+        it is pending, the server answers as soon as it is decided, or after ``wait``."""
+        return self._long_poll(f"approvals/{approval_id}/", wait)
+
+    def messages(self, run_id: str, *, after_seq: int = 0) -> Iterator[dict[str, Any]]:
+        """The run's conversation history after ``after_seq``, oldest first, page by page
+        (the agent's own account only): each ``{"seq", "message", ...}``."""
+        return self._by_seq(f"runs/{run_id}/messages/", after_seq)
+
+    def _by_seq(self, path: str, after_seq: int) -> Iterator[dict[str, Any]]:
+        """Every item of a list paged by ``after_seq`` / ``last_seq`` (events, messages)."""
+        while True:
+            page = self.request("GET", path, params={"after_seq": after_seq, "limit": 500})
             yield from page["results"]
             if not page["next"]:
                 return
             after_seq = page["last_seq"]
+
+    def events(self, run_id: str, *, after_seq: int = 0) -> Iterator[dict[str, Any]]:
+        """Every event after ``after_seq``, page by page."""
+        return self._by_seq(f"runs/{run_id}/events/", after_seq)
 
     def signal(
         self,
@@ -832,12 +942,30 @@ class RemoteRun:
         return self._post(f"runs/{self.run_id}/steps/", body)
 
     def propose(
-        self, tool: str, arguments: Mapping[str, Any], *, precondition: str = ""
+        self,
+        tool: str,
+        arguments: Mapping[str, Any],
+        *,
+        precondition: str = "",
+        call_id: str | None = None,
     ) -> Proposal:
-        data = self._post(
+        """Propose a call; the tool's policy decides. ``call_id``: your framework's own id for
+        the call (1-200 printable ASCII characters, no spaces), unique in the run. Proposed
+        again — a retry, or a successor replaying the framework's history — it answers the
+        call first proposed under it (``replayed``), never a second one; with another tool or
+        other arguments it raises ``ClientCallIdConflict``."""
+        body: dict[str, Any] = {
+            "tool": tool,
+            "arguments": dict(arguments),
+            "precondition": precondition,
+        }
+        if call_id:
+            body["client_call_id"] = call_id
+        response = self.client._http.post(
             f"runs/{self.run_id}/tool-calls/",
-            {"tool": tool, "arguments": dict(arguments), "precondition": precondition},
+            json={"fence": self.fence, "lease_token": self._lease_token, **body},
         )
+        data = self.client._answer(response)
         call = data.get("tool_call") or {}
         return Proposal(
             decision=data["decision"],
@@ -845,7 +973,44 @@ class RemoteRun:
             tool_call_id=call.get("id"),
             approval_id=data.get("approval"),
             error=data.get("error", ""),
+            replayed=response.status_code == 200,
+            call_id=call.get("client_call_id") or "",
         )
+
+    # the state, patched; the conversation history (non-authoritative)
+
+    def patch_state(
+        self, patch: Sequence[Mapping[str, Any]], *, state_version: int | None = None
+    ) -> dict[str, Any]:
+        """Apply an RFC 6902 JSON Patch to the run's state (all operations or none):
+        ``[{"op": "add", "path": "/notes/-", "value": "..."}]``. ``state_version``: the version
+        the patch was made against (``resume.state_version``, then each answer's), else
+        ``StateVersionMismatch``; a failed ``test`` op is ``PatchTestFailed``, a path that is
+        not there ``PatchNotApplicable``. Returns ``{"state", "state_version"}``."""
+        body: dict[str, Any] = {
+            "fence": self.fence,
+            "lease_token": self._lease_token,
+            "patch": [dict(op) for op in patch],
+        }
+        if state_version is not None:
+            body["state_version"] = state_version
+        return self.client.request("POST", f"runs/{self.run_id}/state/", json=body)
+
+    def append_messages(
+        self, messages: Sequence[Any], *, after_seq: int | None = None
+    ) -> dict[str, Any]:
+        """Append to the run's conversation history (not the record: for rebuilding your
+        framework's message history on resume). ``after_seq``: the last seq you know of
+        (``HistoryConflict`` if another came since; a retry of a recorded append is answered
+        without storing twice). Returns ``{"first_seq", "last_seq", "total_bytes", ...}``."""
+        body: dict[str, Any] = {"messages": list(messages)}
+        if after_seq is not None:
+            body["after_seq"] = after_seq
+        return self._post(f"runs/{self.run_id}/messages/", body)
+
+    def messages(self, *, after_seq: int = 0) -> list[Any]:
+        """The run's conversation history (the messages themselves), oldest first."""
+        return [m["message"] for m in self.client.messages(self.run_id, after_seq=after_seq)]
 
     # durable waits (docs/waits.md): the run parks with no lease; exit, and lease it again
     # when the run.wait_ended webhook arrives

@@ -23,6 +23,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from runs import selectors, services
+from runs.api import longpoll
 from runs.api_common import (
     IDEMPOTENCY_KEY_HEADER,
     ApiError,
@@ -32,6 +33,8 @@ from runs.api_common import (
     IdCursorPagination,
     QueryParamsSerializer,
     SeqPagination,
+    StrictBooleanField,
+    StrictCharField,
     actor_for,
     errors,
     readable,
@@ -423,6 +426,7 @@ class ToolCallSerializer(MaskedSerializerMixin, serializers.ModelSerializer):
             "effect",
             "arguments",
             "idempotency_key",
+            "client_call_id",
             "status",
             "attempt_count",
             "dispatched_at",
@@ -488,17 +492,15 @@ class ResolutionInputSerializer(serializers.Serializer):
     outcome = serializers.ChoiceField(
         choices=["happened", "not_happened", "dispatch_again", "reconcile"]
     )
-    external_ref = serializers.CharField(
-        max_length=200, required=False, allow_blank=True, default=""
-    )
+    external_ref = StrictCharField(max_length=200, required=False, allow_blank=True, default="")
     result = serializers.JSONField(
         required=False, allow_null=True, default=None, help_text="For happened: the result."
     )
-    confirm_risk = serializers.BooleanField(
+    confirm_risk = StrictBooleanField(
         default=False,
         help_text="Required to dispatch an unsafe tool again (it may repeat its effect).",
     )
-    attestation = serializers.CharField(
+    attestation = StrictCharField(
         max_length=2000,
         required=False,
         allow_blank=True,
@@ -652,6 +654,15 @@ class RunCollectionApi(generics.GenericAPIView):
         )
 
 
+# a run waiting for a person or an event: what a long poll of it waits to see end
+PARKED = (
+    Run.Status.WAITING_APPROVAL,
+    Run.Status.WAITING_EVENT,
+    Run.Status.NEEDS_ATTENTION,
+    Run.Status.PAUSED,
+)
+
+
 def _require_readable(request, run_id: Any) -> None:
     # a run outside the reader's scope is not found: its existence is not theirs to learn
     if not readable(request, Run.objects.filter(id=run_id)).exists():
@@ -663,11 +674,25 @@ class RunDetailApi(APIView):
 
     @extend_schema(
         summary="One run with its state, budget and usage",
-        responses={200: RunSerializer, **errors("not_found")},
+        description="`?wait=N` (at most 30): while the run is parked for a person or an event "
+        "(waiting_approval, waiting_event, needs_attention, paused), the answer is held until "
+        "its status changes or N seconds passed — e.g. a remote agent waiting for its "
+        "approval or its wait to end, which then finds the run queued for it.",
+        parameters=[longpoll.WaitQuerySerializer],
+        responses={200: RunSerializer, **errors("validation_error", "not_found")},
     )
     def get(self, request, run_id):
+        seconds = longpoll.wait_seconds(request)
         _require_readable(request, run_id)
-        return Response(RunSerializer(_run_detail(run_id), context={"request": request}).data)
+        ended = longpoll.hold(
+            request,
+            lambda: Run.objects.filter(id=run_id).values_list("status", flat=True).first(),
+            waiting=lambda status: status in PARKED,
+            seconds=seconds,
+        )
+        response = Response(RunSerializer(_run_detail(run_id), context={"request": request}).data)
+        response[longpoll.HEADER] = ended
+        return response
 
 
 class RunEventListApi(generics.GenericAPIView):

@@ -51,6 +51,8 @@ FENCED_RUN_ACTIONS = {
     "ProposeToolCall": "v1_runs_tool_calls_create",
     "FinishRun": "v1_runs_finish_create",
     "BeginWait": "v1_runs_waits_create",
+    "PatchState": "v1_runs_state_create",
+    "AppendMessages": "v1_runs_messages_create",
 }
 
 
@@ -112,8 +114,12 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {
         "GetSignalledRun": link("v1_runs_retrieve", run_id="$response.body#/run"),
     },
     ("/api/v1/runs/{run_id}/lease/", "post", "200"): {
-        name: link(op, LEASED, run_id="$response.body#/run")
-        for name, op in FENCED_RUN_ACTIONS.items()
+        **{
+            name: link(op, LEASED, run_id="$response.body#/run")
+            for name, op in FENCED_RUN_ACTIONS.items()
+        },
+        # the conversation history a successor rebuilds its framework's messages from
+        "ReadMessages": link("v1_runs_messages_retrieve", run_id="$response.body#/run"),
     },
     ("/api/v1/runs/{run_id}/tool-calls/", "post", "201"): PROPOSED,
     # a retried propose gets the same call: it is dispatched the same way
@@ -240,6 +246,19 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "result": {"refund_id": "re_3Jx9"},
     },
     "FinishInputRequest": {**FENCE_EXAMPLE, "status": "succeeded", "result": {"refunded": True}},
+    "StatePatchInputRequest": {
+        **FENCE_EXAMPLE,
+        "state_version": 4,
+        "patch": [
+            {"op": "test", "path": "/stage", "value": "refund"},
+            {"op": "add", "path": "/notes/-", "value": "customer confirmed"},
+        ],
+    },
+    "MessagesAppendInputRequest": {
+        **FENCE_EXAMPLE,
+        "after_seq": 0,
+        "messages": [{"role": "user", "content": "Refund order 1001"}],
+    },
 }
 
 CLOSED_SCHEMAS = ("ManifestInputRequest", "ManifestToolRequest", "ManifestApprovalRequest")
@@ -248,6 +267,14 @@ CLOSED_SCHEMAS = ("ManifestInputRequest", "ManifestToolRequest", "ManifestApprov
 # QuestionWaitInputSerializer.validate_choices)
 CROSS_FIELD_RULES: dict[str, dict[str, Any]] = {
     "TimerWaitInputRequest": {"oneOf": [{"required": ["until"]}, {"required": ["seconds"]}]},
+    # RFC 6902: which members each op needs (runs.remote.history applies them)
+    "PatchOperationRequest": {
+        "oneOf": [
+            {"properties": {"op": {"enum": ["add", "replace", "test"]}}, "required": ["value"]},
+            {"properties": {"op": {"enum": ["move", "copy"]}}, "required": ["from"]},
+            {"properties": {"op": {"enum": ["remove"]}}},
+        ]
+    },
 }
 UNIQUE_ITEMS = {"QuestionWaitInputRequest": ("choices",)}
 

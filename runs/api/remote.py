@@ -71,6 +71,15 @@ def _recorded(body: Any, *, replayed: bool) -> Response:
     return Response(body, status=status.HTTP_200_OK if replayed else status.HTTP_201_CREATED)
 
 
+class ClientCallIdField(serializers.RegexField):
+    """A string and only a string: an id sent as a number is refused, not turned into one."""
+
+    def to_internal_value(self, data):
+        if not isinstance(data, str):
+            self.fail("invalid")
+        return super().to_internal_value(data)
+
+
 class FenceSerializer(serializers.Serializer):
     fence = serializers.IntegerField(min_value=1, max_value=MAX_FENCE, help_text=FENCE_HELP)
     lease_token = serializers.CharField(
@@ -130,6 +139,9 @@ class ResumeCallSerializer(serializers.Serializer):
     arguments = serializers.JSONField(help_text="The real arguments (the lease holder's own).")
     status = serializers.ChoiceField(choices=ToolCall.Status.choices)
     idempotency_key = serializers.CharField(help_text="Pass it to the real tool.")
+    client_call_id = serializers.CharField(
+        allow_blank=True, help_text="The agent's own id for the call, given at propose (or empty)."
+    )
     attempt_count = serializers.IntegerField()
     dispatched_at = serializers.DateTimeField(allow_null=True)
     landing_deadline = serializers.DateTimeField(
@@ -365,6 +377,17 @@ class ProposeInputSerializer(FenceSerializer):
         help_text="For tools declaring a precondition: a fingerprint of the world the call "
         "assumes (an approval binds to it; dispatch re-checks it).",
     )
+    client_call_id = ClientCallIdField(
+        remote.CLIENT_CALL_ID_PATTERN,
+        max_length=remote.CLIENT_CALL_ID_MAX,
+        required=False,
+        default="",
+        help_text="Optional: your own id for this call (your framework's tool-call id: 1 to "
+        "200 printable ASCII characters, no spaces), unique in the run. Proposed again, it "
+        "answers the call first proposed under it (200, whatever its status since) and never "
+        "records a second; with another tool or other arguments it is 409 "
+        "client_call_id_conflict.",
+    )
 
     def validate_arguments(self, value):
         return _json_value(value)
@@ -372,10 +395,23 @@ class ProposeInputSerializer(FenceSerializer):
 
 class ProposalSerializer(serializers.Serializer):
     decision = serializers.ChoiceField(
-        choices=["approved", "awaiting_approval", "refused", "paused", "unknown", "succeeded"],
+        choices=[
+            "approved",
+            "awaiting_approval",
+            "refused",
+            "paused",
+            "unknown",
+            "succeeded",
+            "rejected",
+            "failed",
+            "cancelled",
+        ],
         help_text="approved: dispatch it. awaiting_approval: the lease is released until a "
         "person decides. refused: a failed step (see error). paused: the principal may not "
-        "use the tool. unknown/succeeded: a fork inherited this call's key.",
+        "use the tool. unknown/succeeded: a fork inherited this call's key — or, for a "
+        "client_call_id proposed again, what became of its call, as do rejected (an approver "
+        "refused it, or its approval expired), failed (the tool answered failed) and "
+        "cancelled.",
     )
     step_seq = serializers.IntegerField(source="step.seq")
     error = serializers.CharField(allow_blank=True)
@@ -396,7 +432,8 @@ class ProposeApi(APIView):
             200: OpenApiResponse(
                 ProposalSerializer,
                 description="A retry (same fence, tool and arguments) of a propose that was "
-                "recorded: the same call, still open.",
+                "recorded: the same call, still open. Or a client_call_id proposed before: "
+                "its call, as it stands.",
             ),
             **errors(
                 "validation_error",
@@ -405,6 +442,7 @@ class ProposeApi(APIView):
                 "lease_lost",
                 "lease_not_yours",
                 "budget_exhausted",
+                "client_call_id_conflict",
             ),
         },
     )
@@ -417,6 +455,7 @@ class ProposeApi(APIView):
             tool=data["tool"],
             arguments=data["arguments"],
             precondition=data["precondition"],
+            client_call_id=data["client_call_id"],
         )
         return _recorded(ProposalSerializer(proposal).data, replayed=proposal.replayed)
 

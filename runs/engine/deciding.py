@@ -136,7 +136,15 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
             idempotency_key, sibling = f"{run.id}:{seq}", None
     if sibling is not None and not revoked:
         return _decide_family_call(
-            lease, seq, tool, arguments, masked, fingerprint, sibling, execute=execute
+            lease,
+            seq,
+            tool,
+            arguments,
+            masked,
+            fingerprint,
+            sibling,
+            execute=execute,
+            client_call_id=action.client_call_id,
         )
 
     step = Step(
@@ -155,6 +163,7 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
         arguments_masked=masked,
         arguments_digest=digest(arguments),
         idempotency_key=idempotency_key,
+        client_call_id=action.client_call_id,
         precondition_fingerprint=fingerprint,
     )
     if (
@@ -333,6 +342,7 @@ def _decide_family_call(
     sibling: ToolCall,
     *,
     execute: bool = True,
+    client_call_id: str = "",
 ) -> str:
     """A fork decided the very call its family already made under this key. Its effect is
     never repeated blindly: a succeeded receipt is adopted; a dispatch without a receipt is
@@ -362,6 +372,7 @@ def _decide_family_call(
             arguments_masked=masked,
             arguments_digest=digest(arguments),
             idempotency_key=sibling.idempotency_key,
+            client_call_id=client_call_id,
             precondition_fingerprint=fingerprint,
         )
         cp.event(

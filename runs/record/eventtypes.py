@@ -36,6 +36,7 @@ class EventType(models.TextChoices):
     RUN_SUCCEEDED = "run.succeeded", "The run's agent finished it"
     RUN_FAILED = "run.failed", "The run failed"
     RUN_PRUNED = "run.pruned", "The run's history was pruned (its chain head is kept)"
+    RUN_STATE_PATCHED = "run.state_patched", "A remote agent patched its run's state (JSON Patch)"
     # steps
     STEP_DECIDED = "step.decided", "The agent decided a step (a tool call, a wait, the end)"
     STEP_FAILED = "step.failed", "A step failed"

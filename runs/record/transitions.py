@@ -353,6 +353,7 @@ def steps_carry(fork: Run, steps: list[Step]) -> None:
             arguments_masked=call.arguments_masked,
             arguments_digest=call.arguments_digest,
             idempotency_key=call.idempotency_key,
+            client_call_id=call.client_call_id,
             status=call.status,
             attempt_count=call.attempt_count,
             dispatched_at=call.dispatched_at,

@@ -28,13 +28,29 @@ with the ``run.wait_ended`` webhook.
 The package, by responsibility: ``manifest`` (validation, registration, the registry's view),
 ``lease`` (claim, heartbeat, release, expiry, and ``_held``, which every write goes through),
 ``resume`` (the packet a claim returns), ``steps`` (decisions, finish), ``toolcalls``
-(propose, dispatch, the pre-send check, lookups, receipt and reconciliation) and ``waits``. Everything other code uses is
+(propose, dispatch, the pre-send check, lookups, receipt and reconciliation), ``waits`` and
+``history`` (the state patched, the non-authoritative conversation history). Everything other code uses is
 imported from here.
 """
 
 from __future__ import annotations
 
 from runs.registry import registry
+from runs.remote.history import (
+    PATCH_MAX_OPS,
+    HistoryConflict,
+    HistoryFull,
+    InvalidPatch,
+    MessagesAppended,
+    MessageTooLarge,
+    PatchNotApplicable,
+    PatchTestFailed,
+    StatePatched,
+    StateVersionMismatch,
+    remote_messages_append,
+    remote_messages_read,
+    remote_state_patch,
+)
 from runs.remote.lease import (
     WAITING_FOR_PROCESS,
     LeaseGrant,
@@ -71,7 +87,10 @@ from runs.remote.manifest import (
 from runs.remote.resume import resume_packet, wait_outcomes
 from runs.remote.steps import DECISION, StepRecorded, remote_run_finish, remote_step_record
 from runs.remote.toolcalls import (
+    CLIENT_CALL_ID_MAX,
+    CLIENT_CALL_ID_PATTERN,
     RECEIPT_OUTCOMES,
+    ClientCallIdConflict,
     Dispatch,
     DispatchTooEarly,
     LookupBegun,
@@ -98,10 +117,13 @@ from runs.remote.waits import (
 
 __all__ = [
     "AGENT_NAME",
+    "CLIENT_CALL_ID_MAX",
+    "CLIENT_CALL_ID_PATTERN",
     "AGENT_NAME_PATTERN",
     "AGENT_NAME_RULE",
     "DECISION",
     "MANIFEST_NAME_MAX",
+    "PATCH_MAX_OPS",
     "PREDICATE_OPS",
     "RECEIPT_OUTCOMES",
     "SEP",
@@ -112,7 +134,11 @@ __all__ = [
     "WAITING_FOR_PROCESS",
     "WAIT_KINDS",
     "Dispatch",
+    "ClientCallIdConflict",
     "DispatchTooEarly",
+    "HistoryConflict",
+    "HistoryFull",
+    "InvalidPatch",
     "LeaseGrant",
     "LeaseHeld",
     "LeaseNotYours",
@@ -121,12 +147,18 @@ __all__ = [
     "LookupSuperseded",
     "LookupTooEarly",
     "ManifestInvalid",
+    "MessageTooLarge",
+    "MessagesAppended",
+    "PatchNotApplicable",
+    "PatchTestFailed",
     "Proposal",
     "RemoteAgent",
     "ReconcileRequired",
     "RemoteLease",
     "SendClearance",
     "SendDeadlinePassed",
+    "StatePatched",
+    "StateVersionMismatch",
     "StepRecorded",
     "WaitBegun",
     "agent_manifest_put",
@@ -139,7 +171,10 @@ __all__ = [
     "remote_lease_heartbeat",
     "remote_lease_release",
     "remote_leases_expire",
+    "remote_messages_append",
+    "remote_messages_read",
     "remote_run_finish",
+    "remote_state_patch",
     "remote_step_record",
     "remote_toolcall_dispatch",
     "remote_toolcall_lookup_begin",

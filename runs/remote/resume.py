@@ -21,6 +21,8 @@ def _call_data(run: Run, call: ToolCall, approvals: list[GateView]) -> dict[str,
         "arguments": call.arguments,
         "status": call.status,
         "idempotency_key": call.idempotency_key,
+        # the agent's own id for the call (its framework's), "" if it gave none
+        "client_call_id": call.client_call_id,
         "attempt_count": call.attempt_count,
         "dispatched_at": call.dispatched_at.isoformat() if call.dispatched_at else None,
         "landing_deadline": call.landing_deadline.isoformat() if call.landing_deadline else None,

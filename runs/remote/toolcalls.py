@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from django.db import transaction
+from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
@@ -26,11 +26,12 @@ from runs.remote.lease import (
     _check_budget,
     _held,
     _prove_holder,
+    _require_remote,
     holder_conditions,
     honour_request,
     lease_holder_check,
 )
-from runs.remote.manifest import SEP, _reported_fingerprint
+from runs.remote.manifest import SEP, _reported_fingerprint, short_tool_name
 from runs.services import InvalidInput, InvalidState
 
 # --- a dispatch's deadlines (DESIGN §9): the errors a remote agent acts on ---------------------
@@ -92,6 +93,23 @@ class DispatchTooEarly(InvalidState):
         self.extra = {"resend_after": resend_after, "wait_seconds": round(wait_seconds, 3)}
 
 
+class ClientCallIdConflict(InvalidState):
+    """A ``client_call_id`` the run already has, proposed with another tool or other
+    arguments: the id names one call, and this request is not it."""
+
+    code = "client_call_id_conflict"
+
+    def __init__(self, message: str, *, tool_call: int):
+        super().__init__(message)
+        self.extra = {"tool_call": tool_call}
+
+
+# the framework's own ids (OpenAI's ``call_...``, Anthropic's ``toolu_...``, UUIDs): printable
+# ASCII without spaces, bounded
+CLIENT_CALL_ID_MAX = 200
+CLIENT_CALL_ID_PATTERN = r"^[\x21-\x7e]{1,200}$"
+
+
 @dataclass(frozen=True)
 class Proposal:
     decision: str  # approved | awaiting_approval | refused | paused | unknown | succeeded
@@ -114,6 +132,9 @@ def _proposal(run_id: Any, step: Step, call: ToolCall | None, *, replayed: bool)
         ]
         approval_id = pending[-1] if pending else None
         return Proposal("awaiting_approval", step, call, approval_id, "", replayed)
+    if call.status in _SETTLED_DECISIONS:
+        # answered again for its client_call_id after it settled: what became of it
+        return Proposal(_SETTLED_DECISIONS[call.status], step, call, None, step.error, replayed)
     if Run.objects.filter(id=run_id, status=Run.Status.PAUSED).exists():
         return Proposal("paused", step, call, None, "the principal may not use this tool", replayed)
     if call.status == ToolCall.Status.UNKNOWN:
@@ -124,13 +145,26 @@ def _proposal(run_id: Any, step: Step, call: ToolCall | None, *, replayed: bool)
     return Proposal("approved", step, call, None, "", replayed)
 
 
+_SETTLED_DECISIONS = {
+    ToolCall.Status.REJECTED: "rejected",
+    ToolCall.Status.FAILED: "failed",
+    ToolCall.Status.CANCELLED: "cancelled",
+}
+
+
 # Where a propose itself leaves a run when it releases the lease: waiting for the approval,
 # or paused because the principal may not use the tool.
 _PARKED_BY_PROPOSE = (Run.Status.WAITING_APPROVAL, Run.Status.PAUSED)
 
 
 def _replayed_proposal(
-    run_id: Any, fence: int, tool: str, arguments: Any, *, statuses: tuple[str, ...]
+    run_id: Any,
+    fence: int,
+    tool: str,
+    arguments: Any,
+    *,
+    statuses: tuple[str, ...],
+    client_call_id: str = "",
 ) -> Proposal | None:
     """A retried propose (same fence, tool and arguments) whose first attempt's answer was
     lost: that attempt's call, still open and never dispatched, is the run's last step."""
@@ -153,11 +187,56 @@ def _replayed_proposal(
     if (
         call is None
         or call.attempt_count
+        or call.client_call_id != client_call_id
         or call.tool_name != f"{run.agent_name}{SEP}{tool}"
         or call.arguments_digest != digest(arguments)
     ):
         return None
     return _proposal(run_id, step, call, replayed=True)
+
+
+def _call_with_client_id(
+    run_id: Any, agent_name: str, client_call_id: str, tool: str, arguments: Any
+) -> ToolCall | None:
+    """The run's call proposed under ``client_call_id``, if any; ``ClientCallIdConflict`` if
+    it was proposed with another tool or other arguments (compared by digest)."""
+    call = (
+        ToolCall.objects.select_related("step")
+        .filter(run_id=run_id, client_call_id=client_call_id)
+        .first()
+    )
+    if call is None:
+        return None
+    if call.tool_name != f"{agent_name}{SEP}{tool}" or call.arguments_digest != digest(arguments):
+        raise ClientCallIdConflict(
+            f"client_call_id {client_call_id!r} names call {call.id} "
+            f"({short_tool_name(agent_name, call.tool_name)}, other arguments or another tool)"
+            ": one id, one call — use a new id for a new call",
+            tool_call=call.id,
+        )
+    return call
+
+
+def _proposed_under_client_id(
+    run_id: Any,
+    fence: int,
+    lease_token: str,
+    actor: Actor,
+    client_call_id: str,
+    tool: str,
+    arguments: Any,
+) -> Proposal | None:
+    """A propose naming a ``client_call_id`` the run already has: the same call, answered
+    again (``replayed``) whatever has become of it since — to the holder of the run's current
+    fence only (a process whose lease was taken over is told so)."""
+    run = _require_remote(run_id, actor)
+    lease_holder_check(run_id, fence, actor, lease_token)
+    call = _call_with_client_id(run_id, run.agent_name, client_call_id, tool, arguments)
+    if call is None:
+        return None
+    if not Run.objects.filter(id=run_id, fence=fence).exists():
+        raise LeaseLost(f"fence {fence} does not hold run {run_id}'s lease; claim it again")
+    return _proposal(run_id, call.step, call, replayed=True)
 
 
 def remote_toolcall_propose(
@@ -169,6 +248,7 @@ def remote_toolcall_propose(
     tool: str,
     arguments: Any,
     precondition: str = "",
+    client_call_id: str = "",
 ) -> Proposal:
     """``decided``: the call is recorded as a step with its idempotency key, and the tool's
     policy decides — ``approved`` (dispatch it), ``awaiting_approval`` (the lease is released
@@ -178,21 +258,46 @@ def remote_toolcall_propose(
     A retry by the same incarnation of a propose that was recorded (same tool and arguments,
     the call still open and not dispatched) gets the same proposal (``replayed``), also when
     the first attempt released the lease to wait for an approval. Another call while one is
-    open is ``InvalidState``."""
+    open is ``InvalidState``.
+
+    ``client_call_id`` (optional): the agent's own id for the call (its framework's tool-call
+    id), unique in the run. Proposed again — by this process or a successor replaying its
+    framework's history — it answers the call first proposed under it, whatever its status
+    (``replayed``), and never records a second; with another tool or other arguments it is
+    ``ClientCallIdConflict``. The database's ``toolcall_run_client_id_uniq`` makes two
+    simultaneous proposals under one id one call."""
     if not isinstance(arguments, dict):
         raise InvalidInput("arguments must be a JSON object")
+    if client_call_id:
+        replayed = _proposed_under_client_id(
+            run_id, fence, lease_token, actor, client_call_id, tool, arguments
+        )
+        if replayed is not None:
+            return replayed
     try:
         lease = _held(run_id, fence, actor, lease_token)
     except LeaseLost:
         # the first attempt may have released the lease itself (an approval is needed)
         lease_holder_check(run_id, fence, actor, lease_token)
-        replayed = _replayed_proposal(run_id, fence, tool, arguments, statuses=_PARKED_BY_PROPOSE)
+        replayed = _replayed_proposal(
+            run_id,
+            fence,
+            tool,
+            arguments,
+            statuses=_PARKED_BY_PROPOSE,
+            client_call_id=client_call_id,
+        )
         if replayed is None:
             raise
         return replayed
     if lease.open_step() is not None:
         replayed = _replayed_proposal(
-            run_id, fence, tool, arguments, statuses=(Run.Status.RUNNING,)
+            run_id,
+            fence,
+            tool,
+            arguments,
+            statuses=(Run.Status.RUNNING,),
+            client_call_id=client_call_id,
         )
         if replayed is not None:
             return replayed
@@ -202,10 +307,20 @@ def remote_toolcall_propose(
     _check_budget(lease)
     seq = (lease.steps[-1].seq + 1) if lease.steps else 1
     token = _reported_fingerprint.set(precondition or "")
+    action = CallTool(f"{lease.run.agent_name}{SEP}{tool}", arguments, client_call_id)
     try:
-        engine.decide_call(
-            lease, CallTool(f"{lease.run.agent_name}{SEP}{tool}", arguments), seq, execute=False
+        engine.decide_call(lease, action, seq, execute=False)
+    except IntegrityError:
+        # a simultaneous propose took this step (or this client_call_id) first, and this
+        # one's commit was rolled back whole: under the same id it is the same call
+        if not client_call_id:
+            raise
+        replayed = _proposed_under_client_id(
+            run_id, fence, lease_token, actor, client_call_id, tool, arguments
         )
+        if replayed is None:
+            raise
+        return replayed
     finally:
         _reported_fingerprint.reset(token)
     step = lease.steps[-1]

@@ -47,6 +47,9 @@ ENDPOINTS = {
     ("/api/v1/runs/{run_id}/tool-calls/", "post"),
     ("/api/v1/runs/{run_id}/waits/", "post"),
     ("/api/v1/runs/{run_id}/finish/", "post"),
+    ("/api/v1/runs/{run_id}/state/", "post"),
+    ("/api/v1/runs/{run_id}/messages/", "get"),
+    ("/api/v1/runs/{run_id}/messages/", "post"),
     ("/api/v1/tool-calls/{tool_call_id}/dispatch/", "post"),
     ("/api/v1/tool-calls/{tool_call_id}/send-check/", "post"),
     ("/api/v1/tool-calls/{tool_call_id}/lookups/", "post"),
@@ -272,7 +275,11 @@ def served(transactional_db) -> Iterator[str]:
 # What makes a reached operation's data usable, per operation: a 2xx answer, or for the few
 # whose every success depends on a state no generated request sets up, the domain answer
 # that shows the ids and the body were real (each says why)
-USABLE_WITHOUT_2XX: dict[str, set[int]] = {}
+USABLE_WITHOUT_2XX: dict[str, set[int]] = {
+    # only the agent's owner reads a run's conversation history, and the fuzzing superuser
+    # owns no agent: a real remote run's id answers 403 (a made-up one 404), a hosted run's 409
+    "GET /api/v1/runs/{run_id}/messages/": {403, 409},
+}
 
 
 @pytest.mark.django_db(transaction=True)

@@ -1,0 +1,100 @@
+"""Long polls (issue 27): ``?wait=N`` on a read that a waiting client repeats — a run parked for
+a person or an event (``GET /runs/{id}/``), a pending approval (``GET /approvals/{id}/``) — holds
+the answer until what it shows changes, or N seconds (at most 30) have passed.
+
+The hold re-reads one small row with backoff (0.1 s, doubling, at most 1 s apart: about 35
+queries in 30 s), in autocommit: no transaction, no lock and no row version is held while
+it waits, so it delays no writer. It does hold one of the web server's request slots (a
+gunicorn thread) for up to N seconds, so each API token (or signed-in user) may hold at most
+``AGENTOPS_LONG_POLLS_PER_TOKEN`` (default 2) at once in one web process; past that the
+read is answered at once (``Agentops-Long-Poll: capped``), as if ``wait`` were 0. The header
+says how every long poll ended: ``changed``, ``timeout``, ``capped``, or ``none`` (nothing to
+wait for: the read was answered at once)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from django.conf import settings
+from rest_framework import serializers
+
+from runs.api_common import QueryParamsSerializer
+
+WAIT_MAX_SECONDS = 30
+HEADER = "Agentops-Long-Poll"
+FIRST_DELAY, MAX_DELAY = 0.1, 1.0
+
+# time.sleep, looked up at each call: a test makes the change happen "during" the hold
+sleep = time.sleep
+
+_held: Counter[Any] = Counter()
+_held_lock = threading.Lock()
+
+
+class WaitQuerySerializer(QueryParamsSerializer):
+    wait = serializers.IntegerField(
+        min_value=0,
+        max_value=WAIT_MAX_SECONDS,
+        required=False,
+        default=0,
+        help_text="Long poll: hold the answer until it changes, at most this many seconds "
+        "(0-30). The Agentops-Long-Poll header says how it ended: changed, timeout, capped "
+        "(too many of your long polls held at once: answered at once) or none (nothing to "
+        "wait for).",
+    )
+
+
+def wait_seconds(request) -> int:
+    """``?wait=`` validated (``validation_error`` with the field named otherwise)."""
+    query = WaitQuerySerializer(data=request.query_params)
+    query.is_valid(raise_exception=True)
+    return query.validated_data["wait"]
+
+
+@contextmanager
+def _slot(holder: Any) -> Iterator[bool]:
+    limit = settings.AGENTOPS["LONG_POLLS_PER_TOKEN"]
+    with _held_lock:
+        granted = _held[holder] < limit
+        if granted:
+            _held[holder] += 1
+    try:
+        yield granted
+    finally:
+        if granted:
+            with _held_lock:
+                _held[holder] -= 1
+                if _held[holder] <= 0:
+                    del _held[holder]
+
+
+def hold(request, read: Callable[[], Any], *, waiting: Callable[[Any], bool], seconds: int) -> str:
+    """Hold the request while ``read()`` still answers what it answered first and that is a
+    state ``waiting`` for something (a run parked, an approval pending), at most ``seconds``.
+    Returns how the hold ended (the ``Agentops-Long-Poll`` header's value); the caller then
+    reads and answers as usual."""
+    if seconds <= 0:
+        return "none"
+    first = read()
+    if not waiting(first):
+        return "none"
+    token = getattr(request.auth, "pk", None)
+    holder = ("token", token) if token is not None else ("user", getattr(request.user, "pk", None))
+    with _slot(holder) as granted:
+        if not granted:
+            return "capped"
+        deadline = time.monotonic() + seconds
+        delay = FIRST_DELAY
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return "timeout"
+            sleep(min(delay, left))
+            if read() != first:
+                return "changed"
+            delay = min(delay * 2, MAX_DELAY)
