@@ -33,7 +33,7 @@ from . import (
     ToolContext,
 )
 
-__all__ = ["CallRouter", "Outcome", "OutcomeUndecided", "Routed", "current_call"]
+__all__ = ["Admitted", "CallRouter", "Outcome", "OutcomeUndecided", "Routed", "current_call"]
 
 CURRENT_CALL: ContextVar[ToolContext | None] = ContextVar("agentops_current_call", default=None)
 
@@ -68,6 +68,14 @@ class Outcome:
 
 
 @dataclass(frozen=True)
+class Admitted:
+    """A call the run let through its gate and that is still to be carried out."""
+
+    tool_call_id: int
+    unknown: bool = False  # an earlier process may have sent it: look it up first
+
+
+@dataclass(frozen=True)
 class Routed:
     """How a routed call ended for the framework. ``status``: ``succeeded`` (``result`` is
     the tool's, recorded), ``failed`` (the tool answered with a definite failure: ``result``),
@@ -96,7 +104,7 @@ class CallRouter:
         self.window_after = 0
         self.adopted: set[int] = set()
         self.parked: Routed | None = None
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
 
     # checkpoints
 
@@ -139,35 +147,57 @@ class CallRouter:
         ``body(arguments, ctx)`` performs the side effect with ``ctx.idempotency_key``
         (``current_call()`` inside it gives the same ``ctx``). ``LeaseLost`` propagates."""
         with self._lock:
+            admitted = self.admit(tool, arguments, framework_call_id=framework_call_id)
+            if isinstance(admitted, Routed):
+                return admitted
+            return self.carry_out(admitted, body, lookup=lookup)
+
+    def admit(
+        self, tool: str, arguments: Mapping[str, Any], *, framework_call_id: str = ""
+    ) -> Routed | Admitted:
+        """The gate alone: the call's outcome if the run already has one (``Routed``), or
+        the open call to ``carry_out`` (proposed now if the run has none: the policy
+        decides). ``Routed("parked")``: the run waits for a person, the lease is released."""
+        with self._lock:
             if self.parked is not None:
                 return self.parked  # the lease is already released: ask nothing more
-            routed = self._route(tool, dict(arguments), body, lookup, framework_call_id)
-            if routed.status == "parked":
-                self.parked = routed
-                self.run.stop_heartbeat()
-            return routed
+            admitted = self._admit(tool, dict(arguments), framework_call_id)
+            return self._park(admitted) if isinstance(admitted, Routed) else admitted
 
-    def _route(
-        self,
-        tool: str,
-        arguments: dict[str, Any],
-        body: Tool,
-        lookup: LookupFn | None,
-        framework_call_id: str,
+    def carry_out(
+        self, admitted: Admitted, body: Tool, *, lookup: LookupFn | None = None
     ) -> Routed:
+        """Dispatch an admitted call, send it after the pre-send check, record its receipt;
+        an unknown outcome is looked up by key (``lookup``), sent again only when the server
+        allows it."""
+
         def traced(args: Mapping[str, Any], ctx: ToolContext) -> Any:
             return call_with_context(body, args, ctx)
 
+        with self._lock:
+            if self.parked is not None:
+                return self.parked
+            drive = self.run.reconcile if admitted.unknown else self.run.execute
+            done = drive(admitted.tool_call_id, traced, lookup=lookup)
+            return self._park(self._executed(admitted.tool_call_id, done))
+
+    def _park(self, routed: Routed) -> Routed:
+        if routed.status == "parked":
+            self.parked = routed
+            self.run.stop_heartbeat()
+        return routed
+
+    def _admit(
+        self, tool: str, arguments: dict[str, Any], framework_call_id: str
+    ) -> Routed | Admitted:
         done = self._recorded(tool, arguments)
         if done is not None:
             return done
         call = self._open(tool, arguments)
         if call is not None:
-            if call.status == "unknown":
-                return self._executed(call.id, self.run.reconcile(call.id, traced, lookup=lookup))
             if call.status == "awaiting_approval":
                 return Routed("parked", detail="waiting for approval", tool_call_id=call.id)
-            return self._executed(call.id, self.run.execute(call.id, traced, lookup=lookup))
+            return Admitted(call.id, unknown=call.status == "unknown")
         # CLIENT CALL ID: once propose takes a client-supplied call id (issue 27, item 2),
         # pass ``framework_call_id`` here: the server then answers a second propose of the
         # same id with the same call, and the matching above becomes a fallback.
@@ -183,11 +213,8 @@ class CallRouter:
             return Routed("parked", detail=proposal.error, tool_call_id=proposal.tool_call_id)
         if proposal.decision == "refused" or proposal.tool_call_id is None:
             return Routed("refused", detail=proposal.error)
-        if proposal.decision == "unknown":
-            done = self.run.reconcile(proposal.tool_call_id, traced, lookup=lookup)
-        else:
-            done = self.run.execute(proposal.tool_call_id, traced, lookup=lookup)
-        return self._executed(proposal.tool_call_id, done)
+        # approved (dispatch it), or a fork's family already sent this key: look it up
+        return Admitted(proposal.tool_call_id, unknown=proposal.decision == "unknown")
 
     def _executed(self, tool_call_id: int, done: Executed) -> Routed:
         if done.outcome in ("succeeded", "failed"):

@@ -27,6 +27,7 @@ def refund_payment(order_id: str, amount_cents: int) -> dict:
 
 
 def model(messages, info: AgentInfo) -> ModelResponse:
+    say("model asked")
     returns = [p for m in messages for p in m.parts if isinstance(p, ToolReturnPart)]
     if returns:
         return ModelResponse(parts=[TextPart(f"done: {json.dumps(returns[-1].content)}")])

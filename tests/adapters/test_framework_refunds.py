@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("
 
 FRAMEWORKS = {
     "pydantic_ai": "tests.adapters.pydantic_refunder",
-    # "openai_agents": "tests.adapters.openai_refunder",
+    "openai_agents": "tests.adapters.openai_refunder",
 }
 
 
@@ -95,6 +95,8 @@ def test_refund_above_the_threshold_waits_for_an_approval(
     second = framework.agent(run)
     assert second.finish() == 0, second.seen
     assert second.seen[-1].startswith("finished"), second.seen
+    # resumed from the checkpointed decision: the model is asked only for its answer
+    assert second.seen.count("model asked") == 1, second.seen
     run.refresh_from_db()
     assert run.status == Run.Status.SUCCEEDED, second.seen
     call = _one_refund(sandbox, run)
@@ -118,6 +120,7 @@ def test_agent_killed_between_refund_and_receipt_finds_it_by_lookup(framework, s
     assert second.finish() == 0, second.seen
     assert f"reconciled {key}: found" in second.seen, second.seen
     assert not any(line.startswith("dispatching") for line in second.seen), second.seen
+    assert second.seen.count("model asked") == 1, second.seen
     assert second.seen[-1].startswith("finished"), second.seen
 
     run.refresh_from_db()
