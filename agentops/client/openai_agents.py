@@ -56,9 +56,25 @@ except ImportError as exc:  # pragma: no cover - only without the optional depen
     ) from exc
 
 from . import LookupFn, RemoteRun, ToolContext
-from .routing import CURRENT_CALL, Admitted, CallRouter, Outcome, Routed, current_call
+from .routing import (
+    CURRENT_CALL,
+    Admitted,
+    CallRouter,
+    Outcome,
+    OutcomeUndecided,
+    Routed,
+    current_call,
+)
 
-__all__ = ["STATE_KEY", "Outcome", "current_call", "durable_tool", "run_agent"]
+__all__ = [
+    "STATE_KEY",
+    "Outcome",
+    "OutcomeUndecided",
+    "RunParked",
+    "current_call",
+    "durable_tool",
+    "run_agent",
+]
 
 STATE_KEY = "openai_agents"  # where the run's state keeps the recorded model responses
 
@@ -228,7 +244,8 @@ def run_agent(
     agent's final output, and with ``finish`` the run is finished with it; ``parked``: the
     run waits for a person (an approval, an unknown outcome) and the lease is released —
     exit, and run this again when the ``approval.decided`` webhook arrives. ``LeaseLost``
-    propagates: stop."""
+    propagates: stop. ``OutcomeUndecided`` (lookups could not tell whether a call acted)
+    propagates too: the call stays unknown for a person to see."""
     state = dict(run.resume.state)
     recorded = list((state.get(STATE_KEY) or {}).get("responses") or [])
     session = _Session(CallRouter(run), state, recorded)

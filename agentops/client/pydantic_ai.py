@@ -49,9 +49,24 @@ except ImportError as exc:  # pragma: no cover - only without the optional depen
     ) from exc
 
 from . import LookupFn, RemoteRun, ToolContext
-from .routing import CURRENT_CALL, CallRouter, Outcome, Routed, canonical, current_call
+from .routing import (
+    CURRENT_CALL,
+    CallRouter,
+    Outcome,
+    OutcomeUndecided,
+    Routed,
+    canonical,
+    current_call,
+)
 
-__all__ = ["STATE_KEY", "AgentopsToolset", "Outcome", "current_call", "run_agent"]
+__all__ = [
+    "STATE_KEY",
+    "AgentopsToolset",
+    "Outcome",
+    "OutcomeUndecided",
+    "current_call",
+    "run_agent",
+]
 
 STATE_KEY = "pydantic_ai"  # where the run's state keeps the checkpointed message history
 
@@ -173,7 +188,8 @@ def run_agent(
     ignored). ``finished``: the agent's output, and with ``finish`` the run is finished with
     it; ``parked``: the run waits for a person (an approval, an unknown outcome) and the
     lease is released — exit, and run this again when the ``approval.decided`` webhook
-    arrives. ``LeaseLost`` propagates: stop."""
+    arrives. ``LeaseLost`` propagates: stop. ``OutcomeUndecided`` (lookups could not tell
+    whether a call acted) propagates too: the call stays unknown for a person to see."""
     router = CallRouter(run)
     state = dict(run.resume.state)
     saved = state.get(STATE_KEY)
@@ -184,14 +200,14 @@ def run_agent(
         router.resume_from(saved["seq"])
         session.checkpointed = _digest(history[-1:])
         prompt = None
+    output_type = kwargs.pop("output_type", agent.output_type)
+    if not isinstance(output_type, list | tuple):
+        output_type = [output_type]
+    if DeferredToolRequests not in output_type:
+        output_type = [*output_type, DeferredToolRequests]  # how a parked call ends the run
     token = _session.set(session)
     try:
-        result = agent.run_sync(
-            prompt,
-            message_history=history,
-            output_type=[agent.output_type, DeferredToolRequests],
-            **kwargs,
-        )
+        result = agent.run_sync(prompt, message_history=history, output_type=output_type, **kwargs)
     finally:
         _session.reset(token)
     if isinstance(result.output, DeferredToolRequests):

@@ -130,3 +130,24 @@ def test_agent_killed_between_refund_and_receipt_finds_it_by_lookup(framework, s
     assert ToolReceipt.objects.get(tool_call=call).source == "reconciliation"
     types = event_types(run.id)
     assert "tool.unknown" in types and types[-1] == "run.succeeded"
+
+
+def test_rejected_refund_is_never_sent_and_the_model_hears_why(
+    framework, sandbox, live_server, approver
+):
+    run = framework.start_run("ord_1006", 15000)
+    first = framework.agent(run)
+    assert first.finish() == 0, first.seen
+    with Client(live_server.url, token_for(approver)) as people:
+        pending = people.request("GET", "approvals/")["results"]
+        people.decide_approval(pending[0]["id"], "reject", comment="too much")
+
+    second = framework.agent(run)
+    assert second.finish() == 0, second.seen
+    assert second.seen[-1].startswith("finished"), second.seen
+    assert second.seen.count("model asked") == 1, second.seen  # asked only for its answer
+    run.refresh_from_db()
+    assert run.status == Run.Status.SUCCEEDED
+    assert "refund_payment refused: approval rejected: too much" in str(run.result), run.result
+    assert refunds(sandbox) == [] and refund_posts(sandbox) == []
+    assert ToolCall.objects.get(run=run).status == ToolCall.Status.REJECTED
