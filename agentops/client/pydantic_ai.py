@@ -77,13 +77,17 @@ _session: ContextVar[_Session | None] = ContextVar("agentops_pydantic_ai", defau
 class _Session:
     router: CallRouter
     state: dict[str, Any]
-    checkpointed: str = ""  # the digest of the model response last checkpointed
+    checkpointed: str = ""  # the key of the model response last checkpointed
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
-def _digest(messages: list[Any]) -> str:
-    dumped = ModelMessagesTypeAdapter.dump_python(messages, mode="json")
-    return hashlib.sha256(canonical(dumped).encode()).hexdigest()
+def _response_key(history: list[Any]) -> str:
+    """What identifies the model response a history ends with, also once it was stored and
+    loaded again: its place and its tool calls (ids, tools, arguments) — not its dump,
+    which a framework may stamp anew when it resumes."""
+    responses = [m for m in history if isinstance(m, ModelResponse)]
+    calls = [(p.tool_call_id, p.tool_name, p.args_as_dict()) for p in responses[-1].tool_calls]
+    return hashlib.sha256(canonical([len(responses), calls]).encode()).hexdigest()
 
 
 @dataclass
@@ -157,7 +161,7 @@ class AgentopsToolset(WrapperToolset[Any]):
         if last is None:
             return
         history = messages[: last + 1]
-        key = _digest(history[-1:])
+        key = _response_key(history)
         async with session.lock:
             if key == session.checkpointed:
                 return
@@ -198,7 +202,7 @@ def run_agent(
     if saved:
         history = ModelMessagesTypeAdapter.validate_python(saved["messages"])
         router.resume_from(saved["seq"])
-        session.checkpointed = _digest(history[-1:])
+        session.checkpointed = _response_key(history)
         prompt = None
     output_type = kwargs.pop("output_type", agent.output_type)
     if not isinstance(output_type, list | tuple):

@@ -39,6 +39,8 @@ class ScriptedModel(Model):
             i for i in items if isinstance(i, dict) and i.get("type") == "function_call_output"
         ]
         if outputs:
+            if os.environ.get("DIE_BEFORE_ANSWER"):
+                os._exit(9)  # the refund's receipt is recorded; the run is not finished
             text = ResponseOutputText(
                 type="output_text", text=f"done: {outputs[-1]['output']}", annotations=[]
             )

@@ -30,6 +30,8 @@ def model(messages, info: AgentInfo) -> ModelResponse:
     say("model asked")
     returns = [p for m in messages for p in m.parts if isinstance(p, ToolReturnPart)]
     if returns:
+        if os.environ.get("DIE_BEFORE_ANSWER"):
+            os._exit(9)  # the refund's receipt is recorded; the run is not finished
         return ModelResponse(parts=[TextPart(f"done: {json.dumps(returns[-1].content)}")])
     prompt = messages[0].parts[-1].content
     order = json.loads(prompt.split(" ", 1)[1])

@@ -11,7 +11,7 @@ import pytest
 
 from agentops.client import Client
 from runs.actors import Actor
-from runs.models import Run, ToolCall, ToolReceipt
+from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.services import run_create
 from tests.adapters.conftest import AgentProcess
 from tests.api.conftest import token_for
@@ -58,6 +58,8 @@ def _one_refund(sandbox, run: Run) -> ToolCall:
     assert refunds(sandbox)[0]["refund_id"] in str(run.result)
     assert [r["idempotency_key"] for r in refunds(sandbox)] == [call.idempotency_key]
     assert len(refund_posts(sandbox)) == 1  # the key was sent once
+    # one decision checkpointed, and acted on by whichever process came next
+    assert Step.objects.filter(run=run, kind=Step.Kind.DECISION).count() == 1
     return call
 
 
@@ -130,6 +132,24 @@ def test_agent_killed_between_refund_and_receipt_finds_it_by_lookup(framework, s
     assert ToolReceipt.objects.get(tool_call=call).source == "reconciliation"
     types = event_types(run.id)
     assert "tool.unknown" in types and types[-1] == "run.succeeded"
+
+
+def test_agent_dead_after_the_receipt_answers_from_the_record(framework, sandbox):
+    run = framework.start_run("ord_1002", 1500)
+    first = framework.agent(run, DIE_BEFORE_ANSWER="1")
+    assert first.finish() == 9, first.seen
+    assert ToolCall.objects.get(run=run).status == ToolCall.Status.SUCCEEDED
+    expire_lease(run.id)
+
+    second = framework.agent(run)
+    assert second.finish() == 0, second.seen
+    # the recorded result goes back to the framework: nothing dispatched, nothing looked up
+    assert not any(line.startswith(("dispatching", "reconciled")) for line in second.seen)
+    assert second.seen.count("model asked") == 1, second.seen
+    run.refresh_from_db()
+    assert run.status == Run.Status.SUCCEEDED
+    call = _one_refund(sandbox, run)
+    assert (call.status, call.attempt_count) == (ToolCall.Status.SUCCEEDED, 1)
 
 
 def test_rejected_refund_is_never_sent_and_the_model_hears_why(
