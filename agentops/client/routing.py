@@ -198,10 +198,9 @@ class CallRouter:
             if call.status == "awaiting_approval":
                 return Routed("parked", detail="waiting for approval", tool_call_id=call.id)
             return Admitted(call.id, unknown=call.status == "unknown")
-        # CLIENT CALL ID: once propose takes a client-supplied call id (issue 27, item 2),
-        # pass ``framework_call_id`` here: the server then answers a second propose of the
-        # same id with the same call, and the matching above becomes a fallback.
-        proposal = self.run.propose(tool, arguments)
+        # the framework's own call id (issue 27, item 2): the server answers a second
+        # propose of the same id with the same call, so the matching above is a fallback
+        proposal = self.run.propose(tool, arguments, call_id=_usable_id(framework_call_id))
         self.next_seq = max(self.next_seq, proposal.step_seq + 1)
         if proposal.tool_call_id is not None:
             self.adopted.add(proposal.step_seq)
@@ -267,3 +266,12 @@ class CallRouter:
 class OutcomeUndecided(Exception):
     """Lookups could not tell whether the call acted: the call stays unknown on the server
     (an operator sees it); this process stops without assuming anything."""
+
+
+def _usable_id(framework_call_id: str) -> str | None:
+    """The framework's call id when the server accepts it as a client call id (1-200
+    printable ASCII characters, no spaces), else None (the call is matched as before)."""
+    value = framework_call_id or ""
+    if 0 < len(value) <= 200 and value.isascii() and value.isprintable() and " " not in value:
+        return value
+    return None

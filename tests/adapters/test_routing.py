@@ -41,10 +41,12 @@ class FakeRun:
             }
         )
         self.asked: list[tuple[str, Any]] = []
+        self.call_ids: list[str | None] = []
         self.decision = "approved"
 
-    def propose(self, tool: str, arguments: dict) -> Proposal:
+    def propose(self, tool: str, arguments: dict, *, call_id: str | None = None) -> Proposal:
         self.asked.append(("propose", tool))
+        self.call_ids.append(call_id)
         seq = self.resume.next_seq + len([a for a in self.asked if a[0] == "propose"]) - 1
         return Proposal(self.decision, seq, 100 + seq, None, "")
 
