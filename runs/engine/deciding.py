@@ -7,7 +7,7 @@ from typing import Any
 
 from django.db.models import F
 
-from runs import waits
+from runs import flow, waits
 from runs.engine.lease import (
     Lease,
     Outcome,
@@ -23,6 +23,7 @@ from runs.engine.toolcalls import (
     _reconcile,
     _storage_notes,
     complete_step,
+    dispatch,
     mark_unknown,
     record_receipt,
 )
@@ -156,8 +157,12 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
         idempotency_key=idempotency_key,
         precondition_fingerprint=fingerprint,
     )
+    # a limited tool's call is decided first, then dispatched under its limit (``dispatch``):
+    # one more commit, for limited tools only
+    limited = flow.limit_for(tool) is not None
     if (
         execute
+        and not limited
         and not revoked
         and not needs_approval
         and tool.effect == Effect.READ
@@ -169,7 +174,7 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
     # a call dispatched now: its step and row go with the events in the commit's one
     # statement (a decision that cost tokens updates its step in the checkpoint's body, so
     # that step is inserted at once); a hosted agent's such commit only records
-    at_commit = not (revoked or needs_approval) and lease.decision_usage is None
+    at_commit = not (revoked or needs_approval or limited) and lease.decision_usage is None
     with lease.checkpoint(optimistic=at_commit and execute) as cp:
         _record_decided(cp, lease, step, call, at_commit=at_commit)
         if revoked:
@@ -182,7 +187,7 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
             call_await_approval(cp, run=run, call=call, tool=tool, seq=seq, new=True)
         else:
             # decided + dispatching share this commit: both come before the side effect
-            if execute:
+            if execute and not limited:
                 _mark_dispatching(cp, call, lease, tool)
             if at_commit:
                 cp.insert(call)
@@ -194,6 +199,8 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
         return Outcome.PARKED
     if not execute:
         return Outcome.CONTINUE
+    if limited:
+        return dispatch(lease, step, call, tool)
     return _execute(lease, step, call, tool)
 
 
@@ -355,6 +362,7 @@ def _decide_family_call(
     adopt = receipt is not None and receipt.outcome == ToolReceipt.Outcome.SUCCEEDED
     in_doubt = not adopt and receipt is None and sibling.attempt_count > 0
     needs_approval = tool.approval.requires_approval(arguments)
+    limited = flow.limit_for(tool) is not None
     with lease.checkpoint() as cp:
         step = Step.objects.create(
             run_id=run.id,
@@ -405,7 +413,7 @@ def _decide_family_call(
         elif needs_approval:
             call_await_approval(cp, run=run, call=call, tool=tool, seq=seq, new=True)
         else:
-            if execute:
+            if execute and not limited:
                 _mark_dispatching(cp, call, lease, tool)
             rows.insert(call)
     run.steps_used += 1
@@ -419,4 +427,6 @@ def _decide_family_call(
         return _reconcile(lease, step, call, tool)
     if needs_approval:
         return Outcome.PARKED
+    if limited:
+        return dispatch(lease, step, call, tool)
     return _execute(lease, step, call, tool)
