@@ -62,6 +62,8 @@ STATUS_BY_CODE: dict[str, int] = {
     "json_too_large": 400,
     "nul_byte": 400,
     "throttled": 429,
+    # a tool's limit (runs.flow): nothing was dispatched; the body says when to try again
+    "at_capacity": 429,
 }
 
 
@@ -168,6 +170,8 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
     response = Response(body, status=STATUS_BY_CODE[code])
     if isinstance(exc, exceptions.Throttled) and exc.wait is not None:
         response["Retry-After"] = str(int(exc.wait) + 1)
+    if code == "at_capacity":
+        response["Retry-After"] = str(int(body.get("retry_after", 0)) + 1)
     if code == "not_authenticated":
         request = context.get("request")
         view = context.get("view")

@@ -132,6 +132,11 @@ class AtCapacity(Exception):
     def retry_after(self) -> float:
         return max((self.retry_at - self.now).total_seconds(), 0.0)
 
+    @property
+    def extra(self) -> dict[str, Any]:
+        """What a remote agent acts on (the API's body): when to try again."""
+        return {"tool": self.tool, "retry_after": round(max(self.retry_after, 0.05), 3)}
+
 
 @dataclass
 class _Capacity:
@@ -372,6 +377,190 @@ def waiting_counts() -> dict[str, int]:
 
     return dict(
         ToolWaiter.objects.filter(run__status=Run.Status.QUEUED)
+        .values_list("tool_name")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+
+
+# --- operators' limits (audited) --------------------------------------------------------------
+
+
+class InvalidLimit(Exception):
+    """A limit an operator asked for that cannot be applied."""
+
+    code = "validation_error"
+
+    def __init__(self, message: str, fields: dict[str, list[str]] | None = None) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+class UnknownToolName(InvalidLimit):
+    """No tool of that name is registered: there is nothing to limit."""
+
+    code = "not_found"
+
+
+LIMIT_FIELDS = ("max_in_flight", "rate", "per_seconds", "burst", "key_argument")
+
+
+def _known_tool(tool_name: str) -> Tool | None:
+    from runs.registry import UnknownTool, registry
+
+    try:
+        return registry.tool(tool_name)
+    except UnknownTool:
+        return None
+
+
+def _as_json(row: ToolLimit | None) -> dict[str, Any] | None:
+    if row is None:
+        return None
+    return {name: getattr(row, name) for name in LIMIT_FIELDS} | {"reason": row.reason}
+
+
+def tool_limit_set(
+    *,
+    tool_name: str,
+    actor: Any,
+    max_in_flight: int | None = None,
+    rate: float | None = None,
+    per_seconds: float = 1.0,
+    burst: int | None = None,
+    key_argument: str = "",
+    reason: str = "",
+    request: Any = None,
+) -> ToolLimit:
+    """An operator sets (or changes) a tool's limit at run time: it replaces the tool's own
+    declaration in every process at their next claim (one with neither a maximum in flight
+    nor a rate lifts the declared limit until it is removed), and the runs waiting for capacity on
+    the tool are looked at again. Audited (``tool.limit_set``, before and after)."""
+    actor.require("runs.operate_run")
+    if _known_tool(tool_name) is None:
+        raise UnknownToolName(
+            f"no tool named {tool_name!r}", {"tool_name": [f"no tool named {tool_name!r}"]}
+        )
+    try:
+        limits = Limits(
+            max_in_flight=max_in_flight,
+            rate=rate,
+            per_seconds=per_seconds,
+            burst=burst,
+            key_argument=key_argument or "",
+        )
+    except ValueError as exc:
+        raise InvalidLimit(str(exc)) from exc
+    with transaction.atomic():
+        row = ToolLimit.objects.select_for_update().filter(tool_name=tool_name).first()
+        before = _as_json(row)
+        row = row or ToolLimit(tool_name=tool_name)
+        for name in LIMIT_FIELDS:
+            setattr(row, name, getattr(limits, name))
+        row.set_by = actor.label
+        row.reason = reason
+        row.save()
+        _changed("tool.limit_set", actor, request, tool_name, before, _as_json(row))
+    return row
+
+
+def tool_limit_remove(*, tool_name: str, actor: Any, reason: str = "", request: Any = None) -> bool:
+    """An operator removes their limit: the tool's own declaration (if any) applies again.
+    Audited (``tool.limit_removed``). False when there was none."""
+    actor.require("runs.operate_run")
+    with transaction.atomic():
+        row = ToolLimit.objects.select_for_update().filter(tool_name=tool_name).first()
+        if row is None:
+            return False
+        before = _as_json(row)
+        row.delete()
+        _changed("tool.limit_removed", actor, request, tool_name, before, {"reason": reason})
+    return True
+
+
+def _changed(action: str, actor: Any, request: Any, tool_name: str, before: Any, after: Any):
+    """In the change's transaction: its audit entry; after the commit, the waiters of the
+    tool are looked at again under the new limit."""
+    from runs.audit import audit_record
+
+    audit_record(
+        action=action,
+        actor=actor.label,
+        channel=actor.channel,
+        request=request,
+        object_type="tool",
+        object_id=tool_name,
+        before=before,
+        after=after,
+    )
+    transaction.on_commit(lambda: _limits_changed(tool_name))
+
+
+def _limits_changed(tool_name: str) -> None:
+    refresh()
+    for key in (
+        ToolWaiter.objects.filter(tool_name=tool_name)
+        .values_list("limit_key", flat=True)
+        .distinct()
+        .order_by()
+    ):
+        wake(tool_name, key)
+
+
+@dataclass(frozen=True)
+class LimitView:
+    """A tool's limit as the console and the API show it."""
+
+    tool_name: str
+    declared: Limits | None
+    operator: ToolLimit | None
+    in_flight: int
+    waiting: int
+
+    @property
+    def effective(self) -> Limits | None:
+        if self.operator is not None:
+            return limits_of(self.operator)
+        return self.declared
+
+
+def limit_views() -> list[LimitView]:
+    """Every tool that has a limit (declared or an operator's), with what it holds now."""
+    from runs.registry import registry
+
+    operators = {row.tool_name: row for row in ToolLimit.objects.all()}
+    declared = {tool.name: tool.limits for tool in registry.tools() if tool.limits is not None}
+    waiting = waiting_counts()
+    return [
+        LimitView(
+            name,
+            declared.get(name),
+            operators.get(name),
+            _holding_all_keys(name).count(),
+            waiting.get(name, 0),
+        )
+        for name in sorted(set(operators) | set(declared))
+    ]
+
+
+def _holding_all_keys(tool_name: str):
+    return ToolCall.objects.filter(
+        tool_name=tool_name,
+        status__in=(ToolCall.Status.DISPATCHING, ToolCall.Status.UNKNOWN),
+        landing_deadline__gt=Now(),
+    )
+
+
+def in_flight_counts() -> dict[str, int]:
+    """Calls holding a slot (dispatched, no receipt, before their landing deadline), by tool,
+    for every tool (metrics)."""
+    from django.db.models import Count
+
+    return dict(
+        ToolCall.objects.filter(
+            status__in=(ToolCall.Status.DISPATCHING, ToolCall.Status.UNKNOWN),
+            landing_deadline__gt=Now(),
+        )
         .values_list("tool_name")
         .annotate(n=Count("id"))
         .order_by()

@@ -477,6 +477,7 @@ class DispatchApi(APIView):
                 "lease_not_yours",
                 "reconcile_required",
                 "dispatch_too_early",
+                "at_capacity",
             ),
         },
     )

@@ -18,7 +18,7 @@ from tests.support import CountingTool, ScriptedAgent
 pytestmark = pytest.mark.django_db(transaction=True)
 
 
-def _limited_tool(name: str, body: CountingTool, limits: Limits) -> Tool:
+def _limited_tool(name: str, body: CountingTool, limits: Limits | None) -> Tool:
     return Tool(
         name=name,
         effect=Effect.IDEMPOTENT,
@@ -223,3 +223,32 @@ def test_capacity_goes_round_robin_across_principals(register, system_actor, dja
     alices_before = order[:last_bob].count("alice")
     assert alices_before < many // few, order
     assert not ToolWaiter.objects.exists()
+
+
+def test_an_operators_limit_reaches_every_worker_at_its_next_claim_and_removing_it_frees_the_waiters(
+    roles, register, system_actor, operator
+):
+    from runs.actors import Actor
+
+    second: dict = {}
+
+    def first_in_flight(arguments, ctx):
+        if arguments["n"] == 1:
+            second["outcome"] = engine.advance(second["run"].id, worker="w2")
+
+    body = CountingTool(first_in_flight)
+    register(_limited_tool("unlimited_api", body, None), _one_call_agent("plain", "unlimited_api"))
+    actor = Actor.for_user(operator, "web")
+    flow.tool_limit_set(tool_name="unlimited_api", max_in_flight=1, actor=actor, reason="PSP")
+    first = run_create(agent_name="plain", input={"n": 1}, actor=system_actor)
+    second["run"] = run_create(agent_name="plain", input={"n": 2}, actor=system_actor)
+    engine.advance(first.id, worker="w1")
+    assert second["outcome"] == "parked" and len(body.calls) == 1
+    assert ToolWaiter.objects.filter(run_id=second["run"].id).exists()
+
+    # lifted: the waiter is woken at once, whatever its fallback
+    Run.objects.filter(id=second["run"].id).update(wake_at=timezone.now() + timedelta(hours=1))
+    assert flow.tool_limit_remove(tool_name="unlimited_api", actor=actor)
+    assert Run.objects.get(id=second["run"].id).wake_at <= timezone.now()
+    assert engine.advance(second["run"].id, worker="w2") == "parked"
+    assert len(body.calls) == 2
