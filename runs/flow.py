@@ -565,3 +565,48 @@ def in_flight_counts() -> dict[str, int]:
         .annotate(n=Count("id"))
         .order_by()
     )
+
+
+# --- metrics (runs.metrics, docs/operations.md) -----------------------------------------------
+
+
+def collect_metrics():
+    """Per tool: calls holding a slot now (every tool: the downstream's load as the record
+    sees it), runs waiting for capacity, the limit in force and the dispatches it granted."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    busy = GaugeMetricFamily(
+        "agentops_tool_calls_in_flight",
+        "Tool calls dispatched with no receipt yet whose landing deadline is ahead (a slot).",
+        labels=["tool"],
+    )
+    for tool, n in sorted(in_flight_counts().items()):
+        busy.add_metric([tool], n)
+    waiting = GaugeMetricFamily(
+        "agentops_tool_capacity_waiting",
+        "Runs waiting for capacity on a limited tool.",
+        labels=["tool"],
+    )
+    limit = GaugeMetricFamily(
+        "agentops_tool_limit_max_in_flight",
+        "The maximum of calls in flight a tool's limit allows (limited tools only).",
+        labels=["tool"],
+    )
+    waits = waiting_counts()
+    for view in limit_views():
+        waiting.add_metric([view.tool_name], waits.get(view.tool_name, 0))
+        effective = view.effective
+        if effective is not None and effective.max_in_flight is not None:
+            limit.add_metric([view.tool_name], effective.max_in_flight)
+    granted = CounterMetricFamily(
+        "agentops_tool_capacity_grants",
+        "Dispatches of limited tools that took a slot, by tool.",
+        labels=["tool"],
+    )
+    from django.db.models import Sum
+
+    for tool, n in (
+        ToolCapacity.objects.values_list("tool_name").annotate(n=Sum("grants")).order_by()
+    ):
+        granted.add_metric([tool], n or 0)
+    yield from (busy, waiting, limit, granted)

@@ -13,6 +13,7 @@ from runs import engine, flow
 from runs.models import Run, RunEvent, Step, ToolCall, ToolCapacity, ToolWaiter
 from runs.registry import CallTool, Effect, Finish, Limits, Tool
 from runs.services import run_create
+from tests.runs.test_metrics import scrape, value
 from tests.support import CountingTool, ScriptedAgent
 
 pytestmark = pytest.mark.django_db(transaction=True)
@@ -48,7 +49,7 @@ def _due_runs() -> list[Run]:
 
 
 def test_a_call_over_the_concurrency_limit_waits_without_a_lease_and_the_receipt_wakes_it(
-    register, system_actor
+    register, system_actor, client
 ):
     second: dict = {}
 
@@ -56,6 +57,17 @@ def test_a_call_over_the_concurrency_limit_waits_without_a_lease_and_the_receipt
         if arguments.get("n") == 1:
             # while the first call is in flight, another run's call is over the limit
             second["outcome"] = engine.advance(second["run"].id, worker="w2")
+            # /metrics shows it: one call holding the one slot, one run waiting
+            samples = scrape(client)
+            second["in_flight"] = value(
+                samples, "agentops_tool_calls_in_flight", tool="one_at_a_time"
+            )
+            second["waiting"] = value(
+                samples, "agentops_tool_capacity_waiting", tool="one_at_a_time"
+            )
+            second["limit"] = value(
+                samples, "agentops_tool_limit_max_in_flight", tool="one_at_a_time"
+            )
 
     body = CountingTool(first_call_in_flight)
     register(
@@ -69,6 +81,7 @@ def test_a_call_over_the_concurrency_limit_waits_without_a_lease_and_the_receipt
 
     waiting = Run.objects.get(id=second["run"].id)
     assert second["outcome"] == "parked"
+    assert (second["in_flight"], second["waiting"], second["limit"]) == (1, 1, 1)
     assert [c["arguments"]["n"] for c in body.calls] == [1]  # never more than one in flight
     # it waited durably: queued, no lease, its decision kept, the call not dispatched
     call = ToolCall.objects.get(run=waiting)
