@@ -265,3 +265,44 @@ def test_an_operators_limit_reaches_every_worker_at_its_next_claim_and_removing_
     assert Run.objects.get(id=second["run"].id).wake_at <= timezone.now()
     assert engine.advance(second["run"].id, worker="w2") == "parked"
     assert len(body.calls) == 2
+
+
+def test_resuming_many_paused_runs_at_once_never_sends_more_than_the_limit(register, system_actor):
+    """Bulk release (issue 26, item 4): the limit is checked at each dispatch, not when a run
+    is released, so resuming every paused run at once only puts them in line. Each call's
+    body drives the other runs while it is in flight: the nesting depth is the number of
+    calls in flight at once, and it never passes the limit."""
+    from runs.services import run_pause, run_resume
+
+    depth = {"now": 0, "max": 0}
+    runs: list[Run] = []
+
+    def drive_the_others_while_in_flight(arguments, ctx):
+        depth["now"] += 1
+        depth["max"] = max(depth["max"], depth["now"])
+        try:
+            for run in _due_runs():
+                engine.advance(run.id, worker=f"w{depth['now'] + 1}")
+        finally:
+            depth["now"] -= 1
+
+    body = CountingTool(drive_the_others_while_in_flight)
+    register(
+        _limited_tool("bulk_api", body, Limits(max_in_flight=2)),
+        _one_call_agent("bulk", "bulk_api"),
+    )
+    runs = [run_create(agent_name="bulk", input={"n": n}, actor=system_actor) for n in range(6)]
+    for run in runs:
+        run_pause(run_id=run.id, actor=system_actor, reason="outage")
+    for run in runs:  # the backlog released at once
+        run_resume(run_id=run.id, actor=system_actor)
+
+    deadline = time.monotonic() + 30
+    while len(body.calls) < len(runs) and time.monotonic() < deadline:
+        for run in _due_runs():
+            engine.advance(run.id, worker="w1")
+    assert len(body.calls) == len(runs)
+    assert depth["max"] == 2
+    assert set(Run.objects.filter(agent_name="bulk").values_list("status", flat=True)) == {
+        Run.Status.SUCCEEDED
+    }
