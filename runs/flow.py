@@ -296,7 +296,8 @@ def wait_commit(cp: Any, *, run: Run, call: ToolCall, seq: int, full: AtCapacity
     fallback ``wake_at`` (woken earlier when its turn comes)."""
     from runs.record.runs import run_await_capacity
 
-    ToolWaiter.objects.get_or_create(
+    # a run keeps its place in line while it waits again (woken, then deferred once more)
+    ToolWaiter.objects.update_or_create(
         run_id=run.id,
         defaults={"tool_name": full.tool, "limit_key": full.key, "share": share_of(run)},
     )
