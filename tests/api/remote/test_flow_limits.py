@@ -44,3 +44,28 @@ def test_a_remote_dispatch_over_the_limit_is_told_to_retry_later(admin, operator
 
     assert first.receipt(one["id"], outcome="succeeded", result={"ok": 1}).status_code == 200
     assert second.dispatch(two["id"]).json()["go"] is True
+
+
+def test_a_manifest_declares_a_tools_limit_and_bad_limits_are_refused(admin, operator, robot):
+    declared = {
+        "version": "1",
+        "tools": [
+            {"name": "charge", "effect": "idempotent", "timeout": 1,
+             "limits": {"max_in_flight": 1, "key_argument": "merchant"}},
+        ],
+    }  # fmt: skip
+    register_remote(admin, "declared_bot", declared, owner=robot)
+    first = _agent(robot, remote_run(operator, "declared_bot"), "proc-1")
+    second = _agent(robot, remote_run(operator, "declared_bot"), "proc-2")
+    one = first.propose("charge", {"merchant": "m1"}).json()["tool_call"]
+    assert first.dispatch(one["id"]).json()["go"] is True
+    other = second.propose("charge", {"merchant": "m2"}).json()["tool_call"]
+    assert second.dispatch(other["id"]).json()["go"] is True  # another merchant's limit
+
+    admin_client = APIClient()
+    admin_client.credentials(HTTP_AUTHORIZATION=f"Bearer {token_for(admin, 'admin-put')}")
+    for bad in ({"max_in_flight": 0}, {"rate": "fast"}, {"per_minute": 3}, [1]):
+        body = {"version": "2", "tools": [{"name": "charge", "effect": "idempotent",
+                                           "limits": bad}]}  # fmt: skip
+        answer = admin_client.put("/api/v1/agents/declared_bot/", body, format="json")
+        assert_error(answer, 400, "validation_error")
