@@ -31,7 +31,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from django.db import connection, transaction
-from django.db.models import F, OuterRef, Subquery, Value, Window
+from django.db.models import Exists, F, OuterRef, Subquery, Value, Window
 from django.db.models.functions import Coalesce, Now, RowNumber
 
 from runs.models import Run, ToolCall, ToolCapacity, ToolLimit, ToolShare, ToolWaiter
@@ -273,13 +273,25 @@ def _line(tool_name: str, key: str):
         tool_name=OuterRef("tool_name"), limit_key=OuterRef("limit_key"), share=OuterRef("share")
     ).values("last_grant")[:1]
     return (
-        # a waiter that was woken holds its place while it claims and dispatches (running)
-        ToolWaiter.objects.filter(tool_name=tool_name, limit_key=key, run__status__in=_IN_LINE)
+        # a waiter that was woken holds its place while it claims and dispatches (running),
+        # as long as the call it waits to dispatch is still open (a call cancelled or settled
+        # meanwhile — a changed tool, an operator — gives its place up)
+        ToolWaiter.objects.filter(
+            Exists(_waited_call()), tool_name=tool_name, limit_key=key, run__status__in=_IN_LINE
+        )
         .annotate(
             place=Window(RowNumber(), partition_by=[F("share")], order_by=F("id").asc()),
             served=Coalesce(Subquery(served), Value(0)),
         )
         .order_by("place", "served", "id")
+    )
+
+
+def _waited_call():
+    return ToolCall.objects.filter(
+        run_id=OuterRef("run_id"),
+        tool_name=OuterRef("tool_name"),
+        status__in=(ToolCall.Status.PROPOSED, ToolCall.Status.APPROVED, ToolCall.Status.UNKNOWN),
     )
 
 
@@ -363,6 +375,7 @@ def sweep_waiters() -> None:
         return
     refresh()
     ToolWaiter.objects.exclude(run__status__in=_IN_LINE).delete()
+    ToolWaiter.objects.exclude(Exists(_waited_call())).delete()
     for tool_name, key in (
         ToolWaiter.objects.values_list("tool_name", "limit_key").distinct().order_by()
     ):

@@ -306,3 +306,28 @@ def test_resuming_many_paused_runs_at_once_never_sends_more_than_the_limit(regis
     assert set(Run.objects.filter(agent_name="bulk").values_list("status", flat=True)) == {
         Run.Status.SUCCEEDED
     }
+
+
+def test_a_waiter_whose_call_was_cancelled_gives_its_place_up(register, system_actor):
+    body = CountingTool()
+    register(
+        _limited_tool("line_api", body, Limits(max_in_flight=1)),
+        _one_call_agent("line", "line_api"),
+    )
+    ahead = run_create(agent_name="line", input={"n": 1}, actor=system_actor)
+    behind = run_create(agent_name="line", input={"n": 2}, actor=system_actor)
+    for run in (ahead, behind):
+        call_run = Run.objects.get(id=run.id)
+        step = Step.objects.create(run=call_run, seq=1, kind=Step.Kind.TOOL_CALL, incarnation=0)
+        ToolCall.objects.create(
+            run=call_run, step=step, tool_name="line_api", tool_version="x",
+            effect="idempotent", arguments={}, idempotency_key=f"{run.id}:1",
+        )  # fmt: skip
+        ToolWaiter.objects.create(run=call_run, tool_name="line_api")
+    Run.objects.filter(id=ahead.id).update(status=Run.Status.RUNNING)
+    assert flow._next_waiters("line_api", "", 1) == [ahead.id]
+    # the call the first waited for was cancelled (its tool changed): it is out of line
+    ToolCall.objects.filter(run=ahead).update(status=ToolCall.Status.CANCELLED)
+    assert flow._next_waiters("line_api", "", 1) == [behind.id]
+    flow.sweep_waiters()
+    assert list(ToolWaiter.objects.values_list("run_id", flat=True)) == [behind.id]
