@@ -8,6 +8,7 @@ from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitVie
 from approvals import api as approvals_api
 from runs import api as runs_api
 from runs.api import history as history_api
+from runs.api import limits as limits_api
 from runs.api import questions as questions_api
 from runs.api import remote as remote_api
 
@@ -49,6 +50,9 @@ v1 = [
     path("runs/<uuid:run_id>/state/", history_api.StatePatchApi.as_view(), name="run-state"),
     path("runs/<uuid:run_id>/messages/", history_api.MessagesApi.as_view(), name="run-messages"),
     path("tool-calls/", runs_api.ToolCallListApi.as_view(), name="tool-calls"),
+    # flow control (docs/agents.md "Limits")
+    path("tool-limits/", limits_api.ToolLimitListApi.as_view(), name="tool-limits"),
+    path("tool-limits/remove/", limits_api.ToolLimitRemoveApi.as_view(), name="tool-limits-remove"),
     path(
         "tool-calls/<int:tool_call_id>/dispatch/",
         remote_api.DispatchApi.as_view(),

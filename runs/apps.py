@@ -35,6 +35,14 @@ class RunsConfig(AppConfig):
         notify.install()
         register_sweep_hook(outbox.outbox_drain_due)
 
+        # flow control: runs waiting for capacity on a limited tool are woken in fair order
+        # when a slot frees without anyone noticing (a landing deadline passed, a remote
+        # receipt, a lost wake-up): runs/flow.py
+        from runs import flow, metrics
+
+        register_sweep_hook(flow.sweep_waiters)
+        metrics.register_collector(flow.collect_metrics)
+
         # remote agents: the registry resolves manifests; expired remote leases are swept.
         # webhooks: deliveries written with their events, sent by the sweeper (issue 6)
         from runs import remote, webhooks

@@ -848,3 +848,85 @@ class Alert(models.Model):
 
     def __str__(self) -> str:
         return f"alert {self.cause}"
+
+
+# --- flow control (docs/agents.md, "Limits"): per-tool limits shared by every worker ------------
+
+
+class ToolLimit(models.Model):
+    """An operator's limit on a tool, set at run time (audited): it replaces what the tool
+    declares (``Tool.limits``) until it is removed. Read by every process from an in-process
+    copy refreshed when the set of rows changes (``runs.flow``)."""
+
+    tool_name = models.CharField(max_length=200, unique=True)
+    max_in_flight = models.PositiveIntegerField(null=True, blank=True)
+    # ``rate`` calls per ``per_seconds`` (1: a second, 60: a minute), with a ``burst``
+    rate = models.FloatField(null=True, blank=True)
+    per_seconds = models.FloatField(default=1.0)
+    burst = models.PositiveIntegerField(null=True, blank=True)
+    # one limit per value of this argument (e.g. a merchant account); "" for one limit
+    key_argument = models.CharField(max_length=100, blank=True)
+    set_by = models.CharField(max_length=200, blank=True)
+    reason = models.TextField(blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return f"limit on {self.tool_name}"
+
+
+class ToolCapacity(models.Model):
+    """One row per limited tool (and argument value): every dispatch of that tool locks it in
+    its ``dispatching`` transaction, so workers on any number of machines share one limit.
+    ``tat`` is the rate limiter's state (GCRA: the theoretical arrival time of the next
+    call); ``grants`` counts dispatches, the clock of the fair share (``ToolShare``)."""
+
+    tool_name = models.CharField(max_length=200)
+    limit_key = models.CharField(max_length=200, blank=True)
+    tat = models.DateTimeField(null=True, blank=True)
+    grants = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["tool_name", "limit_key"], name="toolcapacity_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return f"capacity of {self.tool_name} {self.limit_key}".strip()
+
+
+class ToolShare(models.Model):
+    """When a principal's call last got a slot of a limited tool (``ToolCapacity.grants``
+    then): the waiter whose principal was served longest ago goes first (round robin)."""
+
+    tool_name = models.CharField(max_length=200)
+    limit_key = models.CharField(max_length=200, blank=True)
+    share = models.CharField(max_length=100, blank=True)
+    last_grant = models.BigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tool_name", "limit_key", "share"], name="toolshare_uniq"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"share of {self.share or 'system'} on {self.tool_name}"
+
+
+class ToolWaiter(models.Model):
+    """A run waiting for capacity on a tool: ``queued`` with no lease and a late fallback
+    ``wake_at``; woken (its ``wake_at`` brought forward) when a slot frees, in fair order."""
+
+    run = models.OneToOneField(Run, on_delete=models.CASCADE, related_name="capacity_wait")
+    tool_name = models.CharField(max_length=200)
+    limit_key = models.CharField(max_length=200, blank=True)
+    # the principal the run acts as ("" for the system): the unit of the fair share
+    share = models.CharField(max_length=100, blank=True)
+    since = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["tool_name", "limit_key", "id"], name="toolwaiter_line")]
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} waiting for {self.tool_name}"

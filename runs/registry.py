@@ -135,6 +135,58 @@ class Resend(StrEnum):
 
 
 @dataclass(frozen=True)
+class Limits:
+    """How much of a downstream a tool may use, across every worker (docs/agents.md,
+    "Limits"): at most ``max_in_flight`` calls in flight (a slot is held from the
+    ``dispatching`` commit until the call's receipt or its landing deadline, whichever comes
+    first), and ``rate`` calls per ``per_seconds`` with a ``burst`` (default: 1). With
+    ``key_argument``, each value of that argument has its own limit (a merchant account)."""
+
+    max_in_flight: int | None = None
+    rate: float | None = None
+    per_seconds: float = 1.0
+    burst: int | None = None
+    key_argument: str = ""
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight is not None and self.max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        if self.rate is not None and self.rate <= 0:
+            raise ValueError("rate must be positive")
+        if self.per_seconds <= 0:
+            raise ValueError("per_seconds must be positive")
+        if self.burst is not None and self.burst < 1:
+            raise ValueError("burst must be at least 1")
+
+    @property
+    def binding(self) -> bool:
+        return self.max_in_flight is not None or self.rate is not None
+
+    @property
+    def interval(self) -> float:
+        """Seconds between two calls at the rate (0 with no rate)."""
+        return self.per_seconds / self.rate if self.rate else 0.0
+
+    def key_of(self, arguments: Mapping[str, Any]) -> str:
+        """The value of the key argument, as the limit's key ("" when not keyed)."""
+        if not self.key_argument:
+            return ""
+        value = arguments.get(self.key_argument) if isinstance(arguments, Mapping) else None
+        return "" if value is None else str(value)[:200]
+
+    def describe(self) -> str:
+        parts = []
+        if self.max_in_flight is not None:
+            parts.append(f"at most {self.max_in_flight} in flight")
+        if self.rate is not None:
+            per = {1.0: "second", 60.0: "minute"}.get(self.per_seconds, f"{self.per_seconds:g} s")
+            parts.append(f"{self.rate:g} per {per} (burst {self.burst or 1})")
+        if self.key_argument:
+            parts.append(f"per {self.key_argument}")
+        return ", ".join(parts) or "no limit"
+
+
+@dataclass(frozen=True)
 class ToolContext:
     """What a tool's ``call`` gets besides the arguments (DESIGN §9). The key, the fence and
     the send deadline travel with the request (``headers()``) so the downstream can check
@@ -230,6 +282,9 @@ class Tool:
     # nothing outside. A ``read`` tool needs none (a dry run reads for real); an agent with a
     # tool that is not ``read`` and declares none cannot be started as a dry run.
     dry_run: Callable[[Mapping[str, Any], ToolContext], ToolResult] | None = None
+    # How much of its downstream the tool may use across all workers (``Limits``); an
+    # operator's limit (``runs.models.ToolLimit``) replaces it at run time
+    limits: Limits | None = None
     declared_version: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -386,6 +441,9 @@ NOT_IN_FINGERPRINT = frozenset(
         "sensitive_output",
         # how a call is described to people, like ``description``
         "summary",
+        # how much of the downstream the engine lets it use, not what it does: a changed
+        # limit must not retire the calls in flight
+        "limits",
         "money_arguments",
         # what a dry run calls instead of the tool: never part of a real call's effect, so
         # declaring or changing it must not retire real calls in flight or re-ask approvals

@@ -1,7 +1,7 @@
 from django.urls import path
 
 from runs import views
-from runs.views import console, detail, outcomes, question_link
+from runs.views import console, detail, limits, outcomes, question_link
 
 app_name = "runs"
 
@@ -31,6 +31,7 @@ urlpatterns = [
     path("runs/<uuid:run_id>/promote/", detail.run_promote_view, name="promote"),
     # the unknown-outcomes inbox (runs.views.outcomes)
     path("unknown/", outcomes.unknown_inbox, name="unknown"),
+    path("limits/", limits.tool_limits, name="limits"),
     path("unknown/triage/", outcomes.unknown_triage, name="unknown_triage"),
     path("tool-calls/<int:call_id>/resolve/", outcomes.toolcall_resolve_view, name="resolve"),
     # emailed single-use link: GET shows the question, POST answers (runs.views.links)

@@ -23,7 +23,16 @@ from rest_framework.test import APIClient
 
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs.actors import Actor
-from runs.models import AgentManifest, Question, Run, RunEvent, Signal, Step, ToolCall
+from runs.models import (
+    AgentManifest,
+    Question,
+    Run,
+    RunEvent,
+    Signal,
+    Step,
+    ToolCall,
+    ToolLimit,
+)
 from runs.services import run_pause
 from tests.api.conftest import token_for
 from tests.api.remote_support import MANIFEST, Agent, register_remote, remote_run
@@ -138,6 +147,7 @@ def _snapshot() -> tuple:
             (m.name, m.version, m.owner_id, json.dumps(m.question_groups), json.dumps(m.tools))
             for m in AgentManifest.objects.all()
         ),
+        sorted(ToolLimit.objects.values_list("tool_name", "max_in_flight", "rate")),
     )
 
 
@@ -279,6 +289,13 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
         simple(queued, lambda w, r: api_post(w, f"runs/{r.id}/terminate/", {"reason": "x"})),
         OPERATE,
     ),
+    "api set tool limit": (
+        simple(
+            lambda w: None,
+            lambda w, _: api_post(w, "tool-limits/", {"tool_name": "refund_payment", "rate": 5}),
+        ),
+        OPERATE,
+    ),
     "api top up budget": (
         simple(queued, lambda w, r: api_post(w, f"runs/{r.id}/budget/", {"add_steps": 5})),
         OPERATE,
@@ -348,6 +365,17 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
         simple(
             queued,
             lambda w, r: web_post(w, f"/runs/{r.id}/terminate/", {"reason": "x", "confirm": "on"}),
+        ),
+        OPERATE,
+    ),
+    "console set tool limit": (
+        simple(
+            lambda w: None,
+            lambda w, _: web_post(
+                w,
+                "/limits/",
+                {"tool_name": "refund_payment", "max_in_flight": "2", "per_seconds": "1"},
+            ),
         ),
         OPERATE,
     ),

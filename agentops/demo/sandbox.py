@@ -152,6 +152,10 @@ CREATE TABLE IF NOT EXISTS faults (
     name TEXT PRIMARY KEY,
     value INTEGER NOT NULL
 );
+CREATE TABLE IF NOT EXISTS flight (
+    path TEXT PRIMARY KEY,
+    max_in_flight INTEGER NOT NULL
+);
 """
 # columns added after the first release: a sandbox file made by an older version gets them
 REQUEST_COLUMNS_ADDED = (
@@ -311,7 +315,7 @@ class SandboxStore:
     def reset(self) -> None:
         """Wipe refunds, notifications, the request log and faults; re-seed orders."""
         with self.write() as conn:
-            for table in ("refunds", "notifications", "requests", "faults", "orders"):
+            for table in ("refunds", "notifications", "requests", "faults", "orders", "flight"):
                 conn.execute(f"DELETE FROM {table}")
             self._seed(conn)
 
@@ -563,9 +567,13 @@ class SandboxStore:
             for row in rows
         ]
 
-    def request_summary(self) -> dict[str, int]:
+    def request_summary(self) -> dict[str, Any]:
         """How many requests were logged, how many arrived after their send deadline (and
-        of those how many were applied anyway), and how many were refused as late."""
+        of those how many were applied anyway), and how many were refused as late; and the
+        load the engine put on this downstream as the downstream saw it (issue 26): the most
+        writes it ever had in flight at once (``max_in_flight``, overall and by path: what a
+        concurrency limit must keep), and its writes per second (``peak_requests_per_second``
+        in any one second, and the mean over the seconds between the first and the last)."""
         with self.read() as conn:
             row = conn.execute(
                 "SELECT count(*) AS requests,"
@@ -574,7 +582,49 @@ class SandboxStore:
                 " coalesce(sum(refused), 0) AS refused"
                 " FROM requests"
             ).fetchone()
-        return {name: int(row[name]) for name in ("requests", "late", "late_applied", "refused")}
+            summary: dict[str, Any] = {
+                name: int(row[name]) for name in ("requests", "late", "late_applied", "refused")
+            }
+            by_path = {
+                r["path"]: int(r["max_in_flight"])
+                for r in conn.execute("SELECT path, max_in_flight FROM flight")
+            }
+            rates = {path: self._rates(conn, path) for path in DEADLINE_PATHS}
+        summary["max_in_flight"] = by_path.pop("*", 0)
+        summary["max_in_flight_by_path"] = by_path
+        summary["peak_requests_per_second"] = max((r[0] for r in rates.values()), default=0)
+        summary["requests_per_second"] = {path: r[1] for path, r in rates.items() if r[1]}
+        return summary
+
+    @staticmethod
+    def _rates(conn: sqlite3.Connection, path: str) -> tuple[int, float]:
+        """(the most POSTs received in one calendar second, the mean per second)."""
+        peak = conn.execute(
+            "SELECT count(*) AS n FROM requests WHERE method = 'POST' AND path = ?"
+            " GROUP BY substr(received_at, 1, 19) ORDER BY n DESC LIMIT 1",
+            (path,),
+        ).fetchone()
+        span = conn.execute(
+            "SELECT count(*) AS n, min(received_at) AS first, max(received_at) AS last"
+            " FROM requests WHERE method = 'POST' AND path = ?",
+            (path,),
+        ).fetchone()
+        if not span["n"]:
+            return 0, 0.0
+        seconds = (
+            datetime.fromisoformat(span["last"]) - datetime.fromisoformat(span["first"])
+        ).total_seconds()
+        return int(peak["n"]), round(span["n"] / max(seconds, 1.0), 3)
+
+    def note_in_flight(self, path: str, count: int) -> None:
+        """A new highest number of writes in flight at once (``*``: all paths)."""
+        with self.write() as conn:
+            conn.execute(
+                "INSERT INTO flight (path, max_in_flight) VALUES (?, ?)"
+                " ON CONFLICT(path) DO UPDATE SET max_in_flight ="
+                " max(max_in_flight, excluded.max_in_flight)",
+                (path, count),
+            )
 
     @staticmethod
     def _read_faults(conn: sqlite3.Connection) -> dict[str, int]:
@@ -629,6 +679,10 @@ class SandboxServer(ThreadingHTTPServer):
         self.dedupe = mode == "dedupe" if dedupe is None else dedupe
         self.deadline = deadline
         self.verbose = verbose
+        # writes being handled now, and the most at once (SandboxServer.in_flight)
+        self._flight: dict[str, int] = {}
+        self._flight_max: dict[str, int] = {}
+        self._flight_lock = threading.Lock()
         super().__init__(address, SandboxHandler)
 
     @property
@@ -638,6 +692,27 @@ class SandboxServer(ThreadingHTTPServer):
 
     def describe(self) -> dict[str, Any]:
         return {"mode": self.mode, "dedupe": self.dedupe, "deadline": self.deadline}
+
+    @contextmanager
+    def in_flight(self, path: str) -> Iterator[None]:
+        """Count a write while this server handles it (from its arrival to its answer, or
+        the dropped connection): a new highest count is written down at once, so it
+        survives a restart of this process."""
+        with self._flight_lock:
+            peaks = []
+            for name in (path, "*"):
+                self._flight[name] = self._flight.get(name, 0) + 1
+                if self._flight[name] > self._flight_max.get(name, 0):
+                    self._flight_max[name] = self._flight[name]
+                    peaks.append((name, self._flight[name]))
+            for name, count in peaks:
+                self.store.note_in_flight(name, count)
+        try:
+            yield
+        finally:
+            with self._flight_lock:
+                for name in (path, "*"):
+                    self._flight[name] -= 1
 
 
 class _DropResponse(Exception):
@@ -789,6 +864,8 @@ class SandboxHandler(BaseHTTPRequestHandler):
         if path == "/reset":
             self._allow(method, "POST")
             store.reset()
+            with self.server._flight_lock:
+                self.server._flight_max.clear()
             return Response(200, {"ok": True})
         raise ApiError(404, "not_found", f"no route for {path}")
 
@@ -810,6 +887,13 @@ class SandboxHandler(BaseHTTPRequestHandler):
         return None
 
     def _logged(
+        self, method: str, path: str, kind: str, handler: Callable[[Fault], Response]
+    ) -> Response:
+        """``_log_and_handle``, counted as in flight while it is handled."""
+        with self.server.in_flight(path):
+            return self._log_and_handle(method, path, kind, handler)
+
+    def _log_and_handle(
         self, method: str, path: str, kind: str, handler: Callable[[Fault], Response]
     ) -> Response:
         """Log the request, refuse it if it is late and deadlines are checked, apply its

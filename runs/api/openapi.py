@@ -188,6 +188,15 @@ EXAMPLES: dict[str, dict[str, Any]] = {
     "TerminateInputRequest": {"reason": "A duplicate of another run."},
     "BudgetTopUpInputRequest": {"add_steps": 10, "add_cost": "1.00"},
     "ForkInputRequest": {"from_step": 2},
+    "ToolLimitInputRequest": {
+        "tool_name": "refund_payment",
+        "max_in_flight": 2,
+        "rate": 10,
+        "per_seconds": 60,
+        "burst": 3,
+        "reason": "The payment provider allows 10 refunds a minute.",
+    },
+    "ToolLimitRemoveRequest": {"tool_name": "refund_payment", "reason": "Lifted by the PSP."},
     "SignalInputRequest": {
         "name": "customer_replied",
         "payload": {"text": "Yes, please."},

@@ -532,6 +532,7 @@ class DispatchApi(APIView):
                 "lease_not_yours",
                 "reconcile_required",
                 "dispatch_too_early",
+                "at_capacity",
             ),
         },
     )
@@ -1040,6 +1041,16 @@ class ManifestApprovalSerializer(serializers.Serializer):
     on_expiry = serializers.ChoiceField(choices=["reject", "terminate", "escalate"], required=False)
 
 
+class ManifestLimitsSerializer(serializers.Serializer):
+    max_in_flight = serializers.IntegerField(required=False, min_value=1)
+    rate = serializers.FloatField(required=False, help_text="Calls per per_seconds.")
+    per_seconds = serializers.FloatField(required=False, help_text="1 (default) or 60.")
+    burst = serializers.IntegerField(required=False, min_value=1)
+    key_argument = serializers.CharField(
+        required=False, max_length=100, help_text="One limit per value of this argument."
+    )
+
+
 class ManifestToolSerializer(serializers.Serializer):
     name = serializers.CharField(max_length=60)
     version = serializers.CharField(max_length=64, required=False)
@@ -1074,6 +1085,11 @@ class ManifestToolSerializer(serializers.Serializer):
         default="auto",
         help_text="auto: a valid absent lookup allows a re-dispatch with the same key. person: "
         "it parks the run for an operator instead (needs_attention, unknown_outcome).",
+    )
+    limits = ManifestLimitsSerializer(
+        required=False,
+        help_text="How much of its downstream the tool may use across all agent processes "
+        "(a dispatch over it is answered 429 at_capacity; an operator's limit replaces it).",
     )
 
 

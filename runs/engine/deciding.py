@@ -7,7 +7,7 @@ from typing import Any
 
 from django.db.models import F
 
-from runs import waits
+from runs import flow, waits
 from runs.engine.lease import (
     Lease,
     Outcome,
@@ -23,6 +23,7 @@ from runs.engine.toolcalls import (
     _reconcile,
     _storage_notes,
     complete_step,
+    dispatch,
     mark_unknown,
     record_receipt,
 )
@@ -166,8 +167,12 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
         client_call_id=action.client_call_id,
         precondition_fingerprint=fingerprint,
     )
+    # a limited tool's call is decided first, then dispatched under its limit (``dispatch``):
+    # one more commit, for limited tools only
+    limited = flow.limit_for(tool) is not None
     if (
         execute
+        and not limited
         and not revoked
         and not needs_approval
         and tool.effect == Effect.READ
@@ -190,7 +195,7 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
             call_await_approval(cp, run=run, call=call, tool=tool, seq=seq)
         else:
             # decided + dispatching share this commit: both come before the side effect
-            if execute:
+            if execute and not limited:
                 _mark_dispatching(cp, call, lease, tool)
     run.steps_used += 1
     lease.steps.append(step)
@@ -198,6 +203,8 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
         return Outcome.PARKED
     if not execute:
         return Outcome.CONTINUE
+    if limited:
+        return dispatch(lease, step, call, tool)
     return _execute(lease, step, call, tool)
 
 
@@ -353,6 +360,7 @@ def _decide_family_call(
     adopt = receipt is not None and receipt.outcome == ToolReceipt.Outcome.SUCCEEDED
     in_doubt = not adopt and receipt is None and sibling.attempt_count > 0
     needs_approval = tool.approval.requires_approval(arguments)
+    limited = flow.limit_for(tool) is not None
     with lease.checkpoint() as cp:
         step = Step(
             run_id=run.id,
@@ -404,7 +412,7 @@ def _decide_family_call(
             transitions.call_in_doubt(cp, call, sibling=sibling, seq=seq)
         elif needs_approval:
             call_await_approval(cp, run=run, call=call, tool=tool, seq=seq)
-        elif execute:
+        elif execute and not limited:
             _mark_dispatching(cp, call, lease, tool)
     run.steps_used += 1
     lease.steps.append(step)
@@ -417,4 +425,6 @@ def _decide_family_call(
         return _reconcile(lease, step, call, tool)
     if needs_approval:
         return Outcome.PARKED
+    if limited:
+        return dispatch(lease, step, call, tool)
     return _execute(lease, step, call, tool)

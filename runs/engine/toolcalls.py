@@ -15,7 +15,7 @@ from django.db import connection
 from django.db.models import F
 from django.db.models.functions import Now
 
-from runs import jsonlimits
+from runs import flow, jsonlimits
 from runs.dbtime import db_now, db_now_expression
 from runs.engine.lease import (
     Lease,
@@ -121,8 +121,13 @@ def dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: b
                 )
             return Outcome.CONTINUE
     needs_approval = tool.approval.requires_approval(call.arguments)
+    limits = flow.limit_for(tool)
     try:
         with lease.checkpoint() as cp:
+            if limits is not None:
+                # the tool's limit, in this transaction, before anything is consumed: over
+                # it, everything here rolls back and the run waits for capacity
+                flow.acquire(cp, run=lease.run, call=call, tool_name=tool.name, limits=limits)
             if call.status == ToolCall.Status.APPROVED:
                 # approved calls always use their approval up, even when an edit brought the
                 # arguments below the policy's threshold: an approval is never left to reuse
@@ -135,6 +140,12 @@ def dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: b
                 raise LeaseLost(f"tool call {call.idempotency_key} changed under us")
     except GateRefused as exc:
         return _request_approval_again(lease, step, call, tool, str(exc))
+    except flow.AtCapacity as full:
+        if not execute:
+            raise  # a remote agent is told to retry later (runs.remote)
+        with lease.checkpoint() as cp:
+            flow.wait_commit(cp, run=lease.run, call=call, seq=step.seq, full=full)
+        return Outcome.PARKED
     if not execute:
         return Outcome.CONTINUE
     return _execute(lease, step, call, tool)
@@ -353,7 +364,16 @@ def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
             notes=_storage_notes(result),
         )
         complete_step(cp, lease, step, call, ok, result.result if result else None, error)
+    _slot_freed(tool, call)
     return Outcome.CONTINUE
+
+
+def _slot_freed(tool: Tool, call: ToolCall) -> None:
+    """A limited call got its receipt: its slot is free, so whoever's turn it is is woken
+    now rather than by the next sweep. Nothing at all for a tool without a limit."""
+    limits = flow.limit_for(tool)
+    if limits is not None:
+        flow.wake(tool.name, limits.key_of(call.arguments))
 
 
 def record_receipt(

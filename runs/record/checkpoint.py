@@ -97,6 +97,13 @@ class Checkpoint:
             self.lock_first()
         return self.known
 
+    def lock(self) -> None:
+        """Lock the run now, if this commit has not yet: for a body about to call something
+        that opens a transaction of its own before it reads (Django's ``update_or_create``,
+        ``bulk_create``) — a read locks by itself."""
+        if self.lock_first is not None:
+            self.lock_first()
+
     def event(self, type: str, **payload: Any) -> None:
         # Stored as JSON: reduce to JSON values now (a Decimal budget, a UUID, a datetime
         # become strings) so the insert cannot fail and the digest hashed (at the write: the
@@ -246,7 +253,7 @@ def _lock_in(stack: ExitStack, cp: Checkpoint, run_id: Any, fence: int | None, o
     if connection.in_atomic_block and not outer:
         raise RuntimeError(
             "a checkpoint's body opened its own transaction before its first read: the run "
-            "must be locked first (read, or touch cp.run, before atomic())"
+            "must be locked first (cp.lock() before atomic(), update_or_create, bulk_create)"
         )
     stack.enter_context(transaction.atomic(savepoint=False))
     cp.known = _lock_or_raise(run_id, fence)

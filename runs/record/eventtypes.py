@@ -54,6 +54,7 @@ class EventType(models.TextChoices):
         "A call of a compatible earlier tool version went on",
     )
     TOOL_VERSION_CHANGED = "tool.version_changed", "A call moved to its tool's new version"
+    TOOL_CAPACITY_GRANTED = "tool.capacity_granted", "A call got a slot under its tool's limit"
     # approvals
     APPROVAL_REQUESTED = "approval.requested", "A tool call's approval was asked"
     APPROVAL_DECIDED = "approval.decided", "An approver decided (approved or rejected)"

@@ -7,11 +7,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from django.db import models
+from django.db import connection, models
 from django.db.models import F, Q
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 
 from runs import dbtime
+from runs.flow import GENERATION_SQL
+from runs.flow import note_generation as note_flow_generation
 from runs.models import Run, RunEvent
 from runs.record.common import kind_filter, write_rows
 
@@ -111,5 +114,10 @@ def take_lease(
     if taken != 1:
         return None
     # the row the UPDATE above locked, and the database's clock, in one query
-    run = Run.objects.annotate(db_time_at_claim=Now()).get(id=run_id)
+    # ... and the operators' tool limits' generation (runs.flow): re-read only when changed
+    run = Run.objects.annotate(
+        db_time_at_claim=Now(),
+        flow_generation=RawSQL(GENERATION_SQL[connection.vendor], ()),
+    ).get(id=run_id)
+    note_flow_generation(run.flow_generation)
     return run, recovered, run.db_time_at_claim

@@ -28,6 +28,8 @@ from django.db.models.fields import AutoFieldMixin
 from django.db.models.functions import Now
 
 from runs import dbtime
+from runs.flow import GENERATION_SQL
+from runs.flow import note_generation as note_flow_generation
 from runs.models import AgentManifest, Run, RunEvent
 from runs.record.common import LIVE_FIELDS, link, links, write_rows
 
@@ -403,6 +405,10 @@ def _one_statement_sql(
     return sql, plans, [(f.attname, f.get_db_converters(connection), f) for f in live]
 
 
+def flow_generation_sql(vendor: str) -> str:
+    return GENERATION_SQL[vendor]
+
+
 # --- the claim (runs.engine.claim) ---------------------------------------------------------------
 
 _claim_sql: dict[bool, tuple[str, list[Any]]] = {}
@@ -444,7 +450,8 @@ def take_lease(
             f"(SELECT {quote(AgentManifest._meta.get_field('name').column)} FROM {manifests})) "
             f"AND (r.{col('lease_expires_at')} IS NULL OR r.{col('lease_expires_at')} < {now}) "
             f"AND (r.{col('wake_at')} IS NULL OR r.{col('wake_at')} <= {now}) "
-            f"RETURNING old.{col('status')}, {now}, "
+            # the operators' tool limits' generation (runs.flow): re-read only when changed
+            f"RETURNING old.{col('status')}, {now}, {flow_generation_sql('postgresql')}, "
             + ", ".join(f"r.{quote(f.column)}" for f in fields)
         )
         _claim_sql[remote] = (
@@ -466,7 +473,8 @@ def take_lease(
         row = cursor.fetchone()
     if row is None:
         return None
-    old_status, db_time, *values = row
+    old_status, db_time, generation, *values = row
+    note_flow_generation(generation)
     for index, (_attname, converters, model_field) in enumerate(columns):
         for converter in converters:
             values[index] = converter(values[index], model_field, connection)

@@ -174,3 +174,38 @@ def run_terminate(
         requested_action="",
         **_NO_LEASE,
     )
+
+
+def run_await_capacity(
+    cp: Checkpoint, *, tool: str, key: str, seq: int, why: str, wake_at: datetime
+) -> None:
+    """The call the run is about to dispatch would exceed its tool's limit (``runs.flow``):
+    the run waits for capacity, ``queued`` with no lease, until it is woken when its turn
+    comes (``run_wake_waiting``) or, as a fallback, at ``wake_at``. Its decision is kept:
+    the call stays undispatched."""
+    cp.event(
+        EventType.RUN_WAITING,
+        on="capacity",
+        seq=seq,
+        tool=tool,
+        **({"key": key} if key else {}),
+        why=why,
+    )
+    cp.update(
+        status=Run.Status.QUEUED,
+        wake_at=wake_at,
+        enqueued_at=None,
+        reason_detail=f"waiting for capacity on {tool}",
+        **_NO_LEASE,
+    )
+
+
+def run_wake_waiting(run_id: Any, *, at: datetime | None = None) -> bool:
+    """Bring the wake-up of a run waiting for capacity forward (to now, or ``at``): its turn
+    has come. Only a run still ``queued`` and waiting moves; nothing else about it."""
+    wake_at = Now() if at is None else at
+    query = Run.objects.filter(id=run_id, status=Run.Status.QUEUED, capacity_wait__isnull=False)
+    if at is not None:
+        # never later than it already was
+        query = query.filter(wake_at__gt=at)
+    return query.update(wake_at=wake_at, enqueued_at=None if at is not None else Now()) == 1

@@ -20,6 +20,7 @@ from runs.registry import (
     Agent,
     ApprovalPolicy,
     Effect,
+    Limits,
     OnExpiry,
     Reconciliation,
     Resend,
@@ -139,6 +140,8 @@ def manifest_tool(agent_name: str, spec: Mapping[str, Any]) -> Tool:
         honours_key=spec.get("honours_key"),
         honours_deadline=bool(spec.get("honours_deadline", False)),
         resend=Resend(spec.get("resend", Resend.AUTO)),
+        # how much of its downstream the tool may use across all agent processes (runs.flow)
+        limits=Limits(**spec["limits"]) if spec.get("limits") else None,
     )
 
 
@@ -270,6 +273,7 @@ TOOL_KEYS = {
     "honours_key",
     "honours_deadline",
     "resend",
+    "limits",
 }
 
 
@@ -320,7 +324,34 @@ def _tool_errors(spec: Any) -> list[str]:
     if spec.get("resend", Resend.AUTO) not in Resend.__members__.values():
         errors.append(f"resend: one of {', '.join(Resend)}")
     errors += [f"approval: {e}" for e in _policy_errors(spec.get("approval"))]
+    errors += [f"limits: {e}" for e in _limits_errors(spec.get("limits"))]
     return errors
+
+
+_LIMIT_KEYS = {"max_in_flight": int, "rate": (int, float), "per_seconds": (int, float),
+               "burst": int, "key_argument": str}  # fmt: skip
+
+
+def _limits_errors(limits: Any) -> list[str]:
+    """A tool's declared limits (docs/agents.md "Limits"): the ``Limits`` fields, typed."""
+    if limits is None:
+        return []
+    if not isinstance(limits, dict):
+        return ["an object (max_in_flight, rate, per_seconds, burst, key_argument)"]
+    unknown = set(limits) - set(_LIMIT_KEYS)
+    if unknown:
+        return [f"unknown keys: {', '.join(sorted(unknown))}"]
+    for key, kind in _LIMIT_KEYS.items():
+        value = limits.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kind)):
+            return [f"{key}: the wrong type"]
+    if isinstance(limits.get("key_argument"), str) and len(limits["key_argument"]) > 100:
+        return ["key_argument: at most 100 characters"]
+    try:
+        Limits(**limits)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 def manifest_validate(data: Any) -> dict[str, Any]:

@@ -568,7 +568,8 @@ def test_deadline_checking_on_refuses_a_late_write_without_applying_it(
     (entry,) = nodedupe.get("/requests", params={"late": 1}).json()["requests"]
     assert entry["path"] == path and entry["refused"] is True and entry["applied"] is False
     assert entry["response_status"] == 409
-    assert nodedupe.get("/requests/summary").json() == {
+    summary = nodedupe.get("/requests/summary").json()
+    assert {name: summary[name] for name in ("requests", "late", "late_applied", "refused")} == {
         "requests": 1,
         "late": 1,
         "late_applied": 0,
@@ -587,7 +588,8 @@ def test_deadline_checking_off_applies_a_late_write_but_counts_it(nodedupe: http
     assert entry["late"] is True and entry["applied"] is True and entry["refused"] is False
     assert nodedupe.get("/requests", params={"late": "0"}).json()["requests"] == []
     summary = nodedupe.get("/requests/summary").json()
-    assert summary == {"requests": 1, "late": 1, "late_applied": 1, "refused": 0}
+    counts = {name: summary[name] for name in ("requests", "late", "late_applied", "refused")}
+    assert counts == {"requests": 1, "late": 1, "late_applied": 1, "refused": 0}
 
 
 def test_deadline_checking_and_deduplication_together(dedupe: httpx.Client) -> None:
@@ -628,3 +630,31 @@ def test_an_older_sandbox_file_gets_the_new_columns(tmp_path: Path) -> None:
         old, new = client.get("/requests").json()["requests"]
         assert old["late"] is False and old["fence"] is None
         assert new["fence"] == "7"
+
+
+def test_the_sandbox_reports_the_most_writes_it_had_in_flight_and_its_rate(
+    nodedupe: httpx.Client,
+) -> None:
+    """What a tool limit must keep, as the downstream itself sees it (issue 26): three slow
+    refunds at once are three in flight; one more after them does not raise the maximum."""
+    import threading
+
+    answers: list[int] = []
+
+    def slow(key: str) -> None:
+        answers.append(refund(nodedupe, key, fault="latency=300").status_code)
+
+    threads = [threading.Thread(target=slow, args=(f"slow-{n}",)) for n in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert answers == [201, 201, 201]
+    assert refund(nodedupe, "alone").status_code == 201
+    summary = nodedupe.get("/requests/summary").json()
+    assert summary["max_in_flight"] == 3
+    assert summary["max_in_flight_by_path"] == {"/refunds": 3}
+    assert 1 <= summary["peak_requests_per_second"] <= 4
+    assert summary["requests_per_second"]["/refunds"] > 0
+    nodedupe.post("/reset")
+    assert nodedupe.get("/requests/summary").json()["max_in_flight"] == 0

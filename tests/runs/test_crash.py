@@ -332,3 +332,32 @@ def test_the_chaos_verdict_counts_a_double_refund_and_a_run_that_lost_its_refund
     assert report["double_consumed_approvals"] == 0
     assert any("duplicate" in problem for problem in problems)
     assert any("lost run" in problem for problem in problems)
+
+
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_chaos_with_a_tool_concurrency_limit_never_has_more_in_flight_at_the_sandbox():
+    """Issue 26: a limit of 2 on the refund tool, workers killed and one frozen past its
+    lease: the sandbox never had more than 2 refunds in flight at once (a slot is held until
+    the receipt or the landing deadline, so a dead or frozen worker's request counts)."""
+    out = StringIO()
+    call_command(
+        "chaos",
+        runs=8,
+        random_kills=3,
+        boundaries="none",
+        pauses=1,
+        sandbox_modes="key",
+        tool_concurrency=2,
+        timeout=240,
+        seed=26,
+        workers=2,
+        stdout=out,
+    )
+
+    report = json.loads(out.getvalue().strip().splitlines()[-1])
+    assert report["tool_concurrency"] == 2
+    assert 1 <= report["max_in_flight_calls"] <= 2
+    assert report["duplicate_effects"] == 0
+    assert report["lost_runs"] == 0
+    assert report["succeeded"] == report["runs"] - report["parked_for_person"]

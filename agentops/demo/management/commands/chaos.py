@@ -255,6 +255,9 @@ class Options:
     pg_restart_cmd: str = ""
     pauses: int = 0
     sandbox_modes: list[str] = field(default_factory=lambda: list(SANDBOX_MODES))
+    # flow control (issue 26): a limit on the demo refund tool for the whole harness
+    tool_concurrency: int | None = None
+    tool_rate: float | None = None
 
 
 def parse_sandbox_modes(value: str) -> list[str]:
@@ -387,6 +390,21 @@ class Command(BaseCommand):
             f"{', '.join(SANDBOX_MODES)} (default: all)",
         )
         parser.add_argument(
+            "--tool-concurrency",
+            type=int,
+            default=None,
+            metavar="N",
+            help="limit the refund tool to N calls in flight across all workers (an operator's "
+            "limit, docs/agents.md); the sandbox's own maximum in flight must stay <= N",
+        )
+        parser.add_argument(
+            "--tool-rate",
+            type=float,
+            default=None,
+            metavar="R",
+            help="limit the refund tool to R calls per second (burst 1)",
+        )
+        parser.add_argument(
             "--timeout", type=float, default=900.0, help="give up after this many seconds"
         )
         parser.add_argument("--seed", type=int, default=None, help="random seed (default: random)")
@@ -468,6 +486,11 @@ class Command(BaseCommand):
         pauses = options["pauses"]
         if not 0 <= pauses <= 100:
             raise CommandError(f"--pauses must be between 0 and 100, not {pauses}")
+        concurrency, rate = options["tool_concurrency"], options["tool_rate"]
+        if concurrency is not None and not 1 <= concurrency <= 1000:
+            raise CommandError(f"--tool-concurrency must be between 1 and 1000, not {concurrency}")
+        if rate is not None and not 0.01 <= rate <= 10_000:
+            raise CommandError(f"--tool-rate must be between 0.01 and 10000, not {rate}")
         seed = options["seed"] if options["seed"] is not None else random.randrange(1 << 30)
         db_faults, pg_restart_cmd = options["db_faults"], options["pg_restart_cmd"].strip()
         if pg_restart_cmd and not db_faults:
@@ -493,6 +516,8 @@ class Command(BaseCommand):
             pg_restart_cmd=pg_restart_cmd,
             pauses=pauses,
             sandbox_modes=parse_sandbox_modes(options["sandbox_modes"]),
+            tool_concurrency=concurrency,
+            tool_rate=rate,
         )
 
     def _check_database(self) -> None:
@@ -565,6 +590,9 @@ class Harness:
         self.mode = KILL_ROUND
         self.run_mode: dict[str, str] = {}
         self.late_requests: list[dict[str, Any]] = []
+        self.limited = False
+        self.max_in_flight_calls = 0
+        self.peak_requests_per_second = 0
         self.pauses: list[Pause] = []
         self.pausers: list[WorkerProcess] = []  # frozen and resumed workers, never restarted
         self.pause_cycle = 0
@@ -596,6 +624,7 @@ class Harness:
             f"{connection.vendor}; {opts.workers} workers; logs in {self.tmp}"
         )
         self.approver = self._approver()
+        self._limit_refunds()
         self._start_sink()
         try:
             if opts.random_kills or opts.boundaries or not opts.pauses:
@@ -646,6 +675,37 @@ class Harness:
         self.refunds.extend(self._sandbox("GET", "/refunds/all")["refunds"])
         late = self._sandbox("GET", "/requests", params={"late": "1"})["requests"]
         self.late_requests.extend({**request, "mode": self.mode} for request in late)
+        # the downstream's own view of the load (issue 26), before the next round resets it
+        summary = self._sandbox("GET", "/requests/summary")
+        self.max_in_flight_calls = max(
+            self.max_in_flight_calls, summary["max_in_flight_by_path"].get("/refunds", 0)
+        )
+        self.peak_requests_per_second = max(
+            self.peak_requests_per_second, summary["peak_requests_per_second"]
+        )
+
+    def _limit_refunds(self) -> None:
+        """``--tool-concurrency`` / ``--tool-rate``: an operator's limit on the refund tool,
+        read by every worker at its claims (runs.flow); removed again at the clean-up."""
+        self.max_in_flight_calls = 0
+        self.peak_requests_per_second = 0
+        opts = self.opts
+        if opts.tool_concurrency is None and opts.tool_rate is None:
+            return
+        from runs import flow
+        from runs.actors import Actor
+
+        flow.tool_limit_set(
+            tool_name="refund_payment",
+            actor=Actor.system("cli"),
+            max_in_flight=opts.tool_concurrency,
+            rate=opts.tool_rate,
+            reason="manage.py chaos",
+        )
+        self.limited = True
+        self.out(
+            f"refund_payment limited: {opts.tool_concurrency} in flight, rate {opts.tool_rate}"
+        )
 
     def _sandbox(self, method: str, path: str, **kwargs) -> Any:
         response = httpx.request(method, self.sandbox.url + path, timeout=10, **kwargs)
@@ -1420,6 +1480,10 @@ class Harness:
             "late_sends": len(self.late_requests),
             "late_sends_applied": sum(1 for r in self.late_requests if r["applied"]),
             "late_sends_refused": sum(1 for r in self.late_requests if r["refused"]),
+            "tool_concurrency": self.opts.tool_concurrency,
+            "tool_rate": self.opts.tool_rate,
+            "max_in_flight_calls": self.max_in_flight_calls,
+            "peak_requests_per_second": self.peak_requests_per_second,
             "duplicate_effects_by_mode": duplicates_by_mode,
             "parked_for_person": parked_for_person,
             "db_connections_terminated": self.connections_terminated,
@@ -1438,6 +1502,12 @@ class Harness:
                 f"{duplicate_effects} duplicate side effect(s), all in the 'nothing' round on "
                 "runs paused at before_send: what remains with a downstream that honours "
                 "neither key nor deadline (docs/agents.md)"
+            )
+        limit = self.opts.tool_concurrency
+        if limit is not None and self.max_in_flight_calls > limit:
+            problems.append(
+                f"the sandbox had {self.max_in_flight_calls} refunds in flight at once "
+                f"(limit {limit})"
             )
         late_unrefused = [
             r for r in self.late_requests if r["mode"] == "deadline" and not r["refused"]
@@ -1550,6 +1620,12 @@ class Harness:
             with suppress(ProcessLookupError, PermissionError):
                 os.killpg(worker.process.pid, signal.SIGKILL)
             worker.process.wait()
+        if self.limited:
+            from runs import flow
+            from runs.actors import Actor
+
+            with suppress(DatabaseError):
+                flow.tool_limit_remove(tool_name="refund_payment", actor=Actor.system("cli"))
         if self.sandbox is not None:
             self.sandbox.stop()
         if self.sink is not None:

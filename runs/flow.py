@@ -1,0 +1,632 @@
+"""Flow control: per-tool limits shared by every worker (DESIGN §9, docs/agents.md "Limits").
+
+A tool may declare ``Limits`` (``Tool.limits``) and an operator may set one at run time
+(``runs.models.ToolLimit``, ``tool_limit_set``): at most N calls in flight, and a rate with a
+burst, optionally one limit per value of an argument. The limit is enforced in the
+``dispatching`` transaction (``acquire``): the tool's ``ToolCapacity`` row is locked, the calls
+in flight are counted from the record itself — ``dispatching`` or ``unknown`` calls whose
+landing deadline is still ahead, so a slot is held until the receipt or the landing
+deadline, whichever comes first, and a crash can never leak one — and the rate limiter's
+state (GCRA) is advanced. Every worker on every machine locks the same row: one limit.
+
+A call over the limit waits durably (``await_capacity``): its decision is kept, the run is
+released (``queued``, no lease, a late fallback ``wake_at``) and listed in ``ToolWaiter``.
+When a slot frees — a receipt, a dispatch that leaves room, the sweeper — the next waiters
+are woken in fair order: the principal served longest ago first, then the oldest waiter
+(round robin across principals, ``ToolShare``). A newcomer never jumps the line.
+
+With no limit on a tool nothing here runs: the hot path's statements do not change. Which
+tools are limited is known in-process: the declared limits are code, and the operators'
+rows are re-read only when the claim statement reports that they changed
+(``note_generation``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db import connection, transaction
+from django.db.models import Exists, F, OuterRef, Subquery, Value, Window
+from django.db.models.functions import Coalesce, Now, RowNumber
+
+from runs.errors import DomainError, InvalidInput
+from runs.models import Run, ToolCall, ToolCapacity, ToolLimit, ToolShare, ToolWaiter
+from runs.record.eventtypes import EventType
+from runs.registry import Limits, Tool
+
+log = logging.getLogger(__name__)
+
+# a waiter not woken by anyone looks again after this long (a lost wake-up costs this much)
+FALLBACK_SECONDS = 30.0
+WAITING_PREFIX = "waiting for capacity on "
+_IN_LINE = (Run.Status.QUEUED, Run.Status.RUNNING)
+
+
+# --- which tools are limited (in-process, no query on the hot path) ---------------------------
+
+_lock = threading.Lock()
+_operator_limits: dict[str, Limits] = {}
+_generation: str | None = None
+
+# SQL giving the operators' limits' generation: it changes whenever a row is added, changed
+# or removed. The claim statement returns it (runs.record.postgres/orm.take_lease).
+GENERATION_SQL = {
+    "postgresql": (
+        "(SELECT count(*)::text || ':' || coalesce(max(updated_at)::text, '') "
+        f"FROM {ToolLimit._meta.db_table})"
+    ),
+    "sqlite": (
+        f"(SELECT count(*) || ':' || coalesce(max(updated_at), '') FROM {ToolLimit._meta.db_table})"
+    ),
+}
+
+
+def note_generation(generation: str | None) -> None:
+    """The claim (or a remote dispatch) read the operators' limits' generation: re-read them
+    when it changed. No rows, no query."""
+    global _generation
+    if generation is None or generation == _generation:
+        return
+    with _lock:
+        if generation.startswith("0:"):
+            limits: dict[str, Limits] = {}
+        else:
+            limits = {row.tool_name: limits_of(row) for row in ToolLimit.objects.all()}
+        _operator_limits.clear()
+        _operator_limits.update(limits)
+        _generation = generation
+
+
+def refresh() -> None:
+    """Read the generation now (one query): for paths that have no statement to carry it."""
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT " + GENERATION_SQL[connection.vendor])
+        note_generation(cursor.fetchone()[0])
+
+
+def limits_of(row: ToolLimit) -> Limits:
+    return Limits(
+        max_in_flight=row.max_in_flight,
+        rate=row.rate,
+        per_seconds=row.per_seconds or 1.0,
+        burst=row.burst,
+        key_argument=row.key_argument,
+    )
+
+
+def limit_for(tool: Tool | None) -> Limits | None:
+    """The limit that applies to ``tool`` now: an operator's, else the tool's own; None when
+    nothing binds."""
+    if tool is None:
+        return None
+    limits = _operator_limits.get(tool.name, tool.limits)
+    return limits if limits is not None and limits.binding else None
+
+
+def limit_for_name(tool_name: str) -> Limits | None:
+    from runs.registry import UnknownTool, registry
+
+    try:
+        return limit_for(registry.tool(tool_name))
+    except UnknownTool:
+        limits = _operator_limits.get(tool_name)
+        return limits if limits is not None and limits.binding else None
+
+
+# --- the dispatch's check ---------------------------------------------------------------------
+
+
+class AtCapacity(DomainError):
+    """The call would exceed its tool's limit: it is not dispatched now."""
+
+    code = "at_capacity"
+    status = 429
+
+    def __init__(self, tool: str, key: str, *, retry_at: datetime, now: datetime, why: str):
+        self.tool, self.key, self.retry_at, self.now, self.why = tool, key, retry_at, now, why
+        super().__init__(f"{WAITING_PREFIX}{tool}: {why}")
+
+    @property
+    def retry_after(self) -> float:
+        return max((self.retry_at - self.now).total_seconds(), 0.0)
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        """What a remote agent acts on (the API's body): when to try again."""
+        return {"tool": self.tool, "retry_after": round(max(self.retry_after, 0.05), 3)}
+
+
+@dataclass
+class _Capacity:
+    row: ToolCapacity
+    now: datetime
+    in_flight: int
+    free: int  # slots free (a large number with no concurrency limit)
+    tokens: int  # calls the rate allows now (a large number with no rate)
+    next_token_at: datetime  # when the rate allows the next call after those
+
+
+def share_of(run: Run) -> str:
+    """The unit of the fair share: the principal the run acts as."""
+    return f"user:{run.principal_id}" if run.principal_id is not None else ""
+
+
+def _holding(tool_name: str, limits: Limits, key: str, arguments: Any, now: Any):
+    """Calls of the tool (with this key) that hold a slot: dispatched, no receipt yet, and
+    their landing deadline still ahead (``now``: the database's clock)."""
+    query = ToolCall.objects.filter(
+        tool_name=tool_name,
+        status__in=(ToolCall.Status.DISPATCHING, ToolCall.Status.UNKNOWN),
+        landing_deadline__gt=now if now is not None else Now(),
+    )
+    if limits.key_argument:
+        # by the argument's JSON value (a number stays a number)
+        value = arguments.get(limits.key_argument) if isinstance(arguments, dict) else key
+        query = query.filter(**{f"arguments__{limits.key_argument}": value})
+    return query
+
+
+def in_flight(tool_name: str, limits: Limits, key: str = "", now: Any = None) -> int:
+    return _holding(tool_name, limits, key, None, now).count()
+
+
+def _capacity(tool_name: str, limits: Limits, key: str, arguments: Any = None) -> _Capacity:
+    """Lock the tool's capacity row (created at its first use) and read what is free."""
+    ToolCapacity.objects.bulk_create(
+        [ToolCapacity(tool_name=tool_name, limit_key=key)], ignore_conflicts=True
+    )
+    row = (
+        ToolCapacity.objects.select_for_update()
+        .annotate(db_now=Now())
+        .get(tool_name=tool_name, limit_key=key)
+    )
+    now = row.db_now
+    many = 1 << 30
+    busy = 0
+    free = many
+    if limits.max_in_flight is not None:
+        busy = _holding(tool_name, limits, key, arguments, now).count()
+        free = max(limits.max_in_flight - busy, 0)
+    tokens, next_token_at = many, now
+    if limits.rate is not None:
+        tokens, next_token_at = _gcra_tokens(row.tat, now, limits)
+    return _Capacity(row, now, busy, free, tokens, next_token_at)
+
+
+def _gcra_tokens(tat: datetime | None, now: datetime, limits: Limits) -> tuple[int, datetime]:
+    """GCRA: how many calls the rate allows at ``now``, and when the next one after them is
+    allowed. ``tat`` (theoretical arrival time) is ``now`` or later once calls were made."""
+    interval = timedelta(seconds=limits.interval)
+    burst = limits.burst or 1
+    tat = max(tat or now, now)
+    # a call is allowed while tat - now <= (burst - 1) * interval
+    room = (burst - 1) * limits.interval - (tat - now).total_seconds()
+    tokens = 0 if room < -1e-9 else min(burst, int(math.floor(room / limits.interval + 1e-9)) + 1)
+    next_at = tat - (burst - 1) * interval + tokens * interval
+    return tokens, next_at
+
+
+def acquire(cp: Any, *, run: Run, call: ToolCall, tool_name: str, limits: Limits) -> None:
+    """In the ``dispatching`` transaction, before the call moves: take a slot (and a token),
+    or raise ``AtCapacity`` (the transaction is rolled back by the caller's checkpoint).
+    Waiters go first, in fair order: a call that finds room while others wait for it
+    waits its turn (and the ones whose turn it is are woken)."""
+    # the run is locked first (the checkpoint's transaction begins here): the capacity
+    # row's upsert below opens a transaction of its own (bulk_create)
+    cp.lock()
+    key = limits.key_of(call.arguments)
+    cap = _capacity(tool_name, limits, key, call.arguments)
+    room = min(cap.free, cap.tokens)
+    if room <= 0:
+        if cap.free <= 0:
+            why = f"{cap.in_flight} of {limits.max_in_flight} calls in flight"
+            retry_at = _earliest_release(tool_name, limits, key, call.arguments, cap.now)
+        else:
+            why = f"rate {limits.describe()}"
+            retry_at = cap.next_token_at
+        raise AtCapacity(tool_name, key, retry_at=retry_at, now=cap.now, why=why)
+    turn = _next_waiters(tool_name, key, room)
+    if turn and run.id not in turn:
+        raise AtCapacity(
+            tool_name,
+            key,
+            retry_at=cap.now,
+            now=cap.now,
+            why=f"{len(turn)} waiting run(s) go first (fair share)",
+        )
+    # a slot and a token: the call is dispatched in this transaction
+    row = cap.row
+    row.grants += 1
+    if limits.rate is not None:
+        interval = timedelta(seconds=limits.interval)
+        row.tat = max(row.tat or cap.now, cap.now) + interval
+    ToolCapacity.objects.filter(pk=row.pk).update(grants=row.grants, tat=row.tat)
+    share = share_of(run)
+    updated = ToolShare.objects.filter(tool_name=tool_name, limit_key=key, share=share).update(
+        last_grant=row.grants
+    )
+    if not updated:
+        ToolShare.objects.create(
+            tool_name=tool_name, limit_key=key, share=share, last_grant=row.grants
+        )
+    ToolWaiter.objects.filter(run_id=run.id).delete()
+    if run.reason_detail.startswith(WAITING_PREFIX):
+        cp.update(reason_detail="")
+        run.reason_detail = ""
+    cp.event(EventType.TOOL_CAPACITY_GRANTED, tool=tool_name, key=key, in_flight=cap.in_flight + 1)
+    if room > 1 or limits.rate is not None:
+        # room left for others, or the next token's time is known: wake whoever is next
+        transaction.on_commit(lambda: wake(tool_name, key))
+
+
+def _earliest_release(
+    tool_name: str, limits: Limits, key: str, arguments: Any, now: datetime
+) -> datetime:
+    """When a slot frees at the latest: the earliest landing deadline in flight."""
+    query = _holding(tool_name, limits, key, arguments, now).order_by("landing_deadline")
+    return query.values_list("landing_deadline", flat=True).first() or now
+
+
+def _line(tool_name: str, key: str):
+    """The waiters of one limit in fair order: each principal's oldest waiter first, the
+    principal served longest ago first among them (round robin), then arrival."""
+    served = ToolShare.objects.filter(
+        tool_name=OuterRef("tool_name"), limit_key=OuterRef("limit_key"), share=OuterRef("share")
+    ).values("last_grant")[:1]
+    return (
+        # a waiter that was woken holds its place while it claims and dispatches (running),
+        # as long as the call it waits to dispatch is still open (a call cancelled or settled
+        # meanwhile — a changed tool, an operator — gives its place up)
+        ToolWaiter.objects.filter(
+            Exists(_waited_call()), tool_name=tool_name, limit_key=key, run__status__in=_IN_LINE
+        )
+        .annotate(
+            place=Window(RowNumber(), partition_by=[F("share")], order_by=F("id").asc()),
+            served=Coalesce(Subquery(served), Value(0)),
+        )
+        .order_by("place", "served", "id")
+    )
+
+
+def _waited_call():
+    return ToolCall.objects.filter(
+        run_id=OuterRef("run_id"),
+        tool_name=OuterRef("tool_name"),
+        status__in=(ToolCall.Status.PROPOSED, ToolCall.Status.APPROVED, ToolCall.Status.UNKNOWN),
+    )
+
+
+def _next_waiters(tool_name: str, key: str, count: int) -> list[Any]:
+    """The run ids whose turn it is for ``count`` slots."""
+    return [waiter.run_id for waiter in _line(tool_name, key)[:count]]
+
+
+# --- waiting and waking -----------------------------------------------------------------------
+
+
+def wait_commit(cp: Any, *, run: Run, call: ToolCall, seq: int, full: AtCapacity) -> None:
+    """The run waits for capacity: listed as a waiter, released without a lease, with a late
+    fallback ``wake_at`` (woken earlier when its turn comes)."""
+    from runs.record.runs import run_await_capacity
+
+    cp.lock()  # update_or_create opens a transaction of its own
+    # a run keeps its place in line while it waits again (woken, then deferred once more)
+    ToolWaiter.objects.update_or_create(
+        run_id=run.id,
+        defaults={"tool_name": full.tool, "limit_key": full.key, "share": share_of(run)},
+    )
+    fallback = full.now + timedelta(seconds=FALLBACK_SECONDS)
+    run_await_capacity(
+        cp,
+        tool=full.tool,
+        key=full.key,
+        seq=seq,
+        why=full.why,
+        wake_at=fallback,
+    )
+    run.reason_detail = f"{WAITING_PREFIX}{full.tool}"
+    # the waiters whose turn it is may be due now (a fair-share deferral, a freed slot)
+    transaction.on_commit(lambda: wake(full.tool, full.key))
+
+
+def wake(tool_name: str, key: str) -> int:
+    """Wake the waiters whose turn it is, as many as there is room for now (or, for a rate,
+    at the times its next tokens come). Holds no lock: each waiter's ``wake_at`` is brought
+    forward in its own statement, and a duplicate wake-up finds the lease taken."""
+    from runs.queue import enqueue_run
+    from runs.record.runs import run_wake_waiting
+
+    limits = limit_for_name(tool_name)
+    if limits is None:
+        # the limit was removed: everyone waiting may go
+        turn = list(
+            ToolWaiter.objects.filter(tool_name=tool_name, limit_key=key).values_list(
+                "run_id", flat=True
+            )
+        )
+        times = [None] * len(turn)
+    else:
+        with transaction.atomic():
+            cap = _capacity(tool_name, limits, key)
+            room = cap.free
+            if limits.rate is not None:
+                # the tokens available now, then the next one at its time
+                room = min(room, max(cap.tokens, 1))
+            turn = _next_waiters(tool_name, key, room) if room > 0 else []
+            times = []
+            for index in range(len(turn)):
+                if limits.rate is not None and index >= cap.tokens:
+                    offset = (index - cap.tokens) * limits.interval
+                    times.append(cap.next_token_at + timedelta(seconds=offset))
+                else:
+                    times.append(None)
+    woken = 0
+    for run_id, at in zip(turn, times, strict=True):
+        if run_wake_waiting(run_id, at=at):
+            woken += 1
+            if at is None:
+                enqueue_run(run_id)
+    return woken
+
+
+def sweep_waiters() -> None:
+    """Sweeper hook: wake the waiters whose turn came without anyone noticing (a landing
+    deadline passed, a remote agent's receipt, an operator's resolution, a rate's next
+    token, a lost wake-up), and forget waiters whose run no longer waits."""
+    if not ToolWaiter.objects.exists():
+        return
+    refresh()
+    ToolWaiter.objects.exclude(run__status__in=_IN_LINE).delete()
+    ToolWaiter.objects.exclude(Exists(_waited_call())).delete()
+    for tool_name, key in (
+        ToolWaiter.objects.values_list("tool_name", "limit_key").distinct().order_by()
+    ):
+        try:
+            wake(tool_name, key)
+        except Exception:
+            log.exception("waking the waiters for capacity on %s failed", tool_name)
+
+
+def waiting_counts() -> dict[str, int]:
+    """Runs waiting for capacity, by tool (metrics)."""
+    from django.db.models import Count
+
+    return dict(
+        ToolWaiter.objects.filter(run__status=Run.Status.QUEUED)
+        .values_list("tool_name")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+
+
+# --- operators' limits (audited) --------------------------------------------------------------
+
+
+class InvalidLimit(InvalidInput):
+    """A limit an operator asked for that cannot be applied."""
+
+    def __init__(self, message: str, fields: dict[str, list[str]] | None = None) -> None:
+        super().__init__(message)
+        self.fields = fields
+
+
+class UnknownToolName(InvalidLimit):
+    """No tool of that name is registered: there is nothing to limit."""
+
+    code = "not_found"
+    status = 404
+
+
+LIMIT_FIELDS = ("max_in_flight", "rate", "per_seconds", "burst", "key_argument")
+
+
+def _known_tool(tool_name: str) -> Tool | None:
+    from runs.registry import UnknownTool, registry
+
+    try:
+        return registry.tool(tool_name)
+    except UnknownTool:
+        return None
+
+
+def _as_json(row: ToolLimit | None) -> dict[str, Any] | None:
+    if row is None:
+        return None
+    return {name: getattr(row, name) for name in LIMIT_FIELDS} | {"reason": row.reason}
+
+
+def tool_limit_set(
+    *,
+    tool_name: str,
+    actor: Any,
+    max_in_flight: int | None = None,
+    rate: float | None = None,
+    per_seconds: float = 1.0,
+    burst: int | None = None,
+    key_argument: str = "",
+    reason: str = "",
+    request: Any = None,
+) -> ToolLimit:
+    """An operator sets (or changes) a tool's limit at run time: it replaces the tool's own
+    declaration in every process at their next claim (one with neither a maximum in flight
+    nor a rate lifts the declared limit until it is removed), and the runs waiting for capacity on
+    the tool are looked at again. Audited (``tool.limit_set``, before and after)."""
+    actor.require("runs.operate_run")
+    if _known_tool(tool_name) is None:
+        raise UnknownToolName(
+            f"no tool named {tool_name!r}", {"tool_name": [f"no tool named {tool_name!r}"]}
+        )
+    try:
+        limits = Limits(
+            max_in_flight=max_in_flight,
+            rate=rate,
+            per_seconds=per_seconds,
+            burst=burst,
+            key_argument=key_argument or "",
+        )
+    except ValueError as exc:
+        raise InvalidLimit(str(exc)) from exc
+    with transaction.atomic():
+        row = ToolLimit.objects.select_for_update().filter(tool_name=tool_name).first()
+        before = _as_json(row)
+        row = row or ToolLimit(tool_name=tool_name)
+        for name in LIMIT_FIELDS:
+            setattr(row, name, getattr(limits, name))
+        row.set_by = actor.label
+        row.reason = reason
+        row.save()
+        _changed("tool.limit_set", actor, request, tool_name, before, _as_json(row))
+    return row
+
+
+def tool_limit_remove(*, tool_name: str, actor: Any, reason: str = "", request: Any = None) -> bool:
+    """An operator removes their limit: the tool's own declaration (if any) applies again.
+    Audited (``tool.limit_removed``). False when there was none."""
+    actor.require("runs.operate_run")
+    with transaction.atomic():
+        row = ToolLimit.objects.select_for_update().filter(tool_name=tool_name).first()
+        if row is None:
+            return False
+        before = _as_json(row)
+        row.delete()
+        _changed("tool.limit_removed", actor, request, tool_name, before, {"reason": reason})
+    return True
+
+
+def _changed(action: str, actor: Any, request: Any, tool_name: str, before: Any, after: Any):
+    """In the change's transaction: its audit entry; after the commit, the waiters of the
+    tool are looked at again under the new limit."""
+    from runs.audit import audit_record
+
+    audit_record(
+        action=action,
+        actor=actor.label,
+        channel=actor.channel,
+        request=request,
+        object_type="tool",
+        object_id=tool_name,
+        before=before,
+        after=after,
+    )
+    transaction.on_commit(lambda: _limits_changed(tool_name))
+
+
+def _limits_changed(tool_name: str) -> None:
+    refresh()
+    for key in (
+        ToolWaiter.objects.filter(tool_name=tool_name)
+        .values_list("limit_key", flat=True)
+        .distinct()
+        .order_by()
+    ):
+        wake(tool_name, key)
+
+
+@dataclass(frozen=True)
+class LimitView:
+    """A tool's limit as the console and the API show it."""
+
+    tool_name: str
+    declared: Limits | None
+    operator: ToolLimit | None
+    in_flight: int
+    waiting: int
+
+    @property
+    def effective(self) -> Limits | None:
+        if self.operator is not None:
+            return limits_of(self.operator)
+        return self.declared
+
+
+def limit_views() -> list[LimitView]:
+    """Every tool that has a limit (declared or an operator's), with what it holds now."""
+    from runs.registry import registry
+
+    operators = {row.tool_name: row for row in ToolLimit.objects.all()}
+    declared = {tool.name: tool.limits for tool in registry.tools() if tool.limits is not None}
+    waiting = waiting_counts()
+    return [
+        LimitView(
+            name,
+            declared.get(name),
+            operators.get(name),
+            _holding_all_keys(name).count(),
+            waiting.get(name, 0),
+        )
+        for name in sorted(set(operators) | set(declared))
+    ]
+
+
+def _holding_all_keys(tool_name: str):
+    return ToolCall.objects.filter(
+        tool_name=tool_name,
+        status__in=(ToolCall.Status.DISPATCHING, ToolCall.Status.UNKNOWN),
+        landing_deadline__gt=Now(),
+    )
+
+
+def in_flight_counts() -> dict[str, int]:
+    """Calls holding a slot (dispatched, no receipt, before their landing deadline), by tool,
+    for every tool (metrics)."""
+    from django.db.models import Count
+
+    return dict(
+        ToolCall.objects.filter(
+            status__in=(ToolCall.Status.DISPATCHING, ToolCall.Status.UNKNOWN),
+            landing_deadline__gt=Now(),
+        )
+        .values_list("tool_name")
+        .annotate(n=Count("id"))
+        .order_by()
+    )
+
+
+# --- metrics (runs.metrics, docs/operations.md) -----------------------------------------------
+
+
+def collect_metrics():
+    """Per tool: calls holding a slot now (every tool: the downstream's load as the record
+    sees it), runs waiting for capacity, the limit in force and the dispatches it granted."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    busy = GaugeMetricFamily(
+        "agentops_tool_calls_in_flight",
+        "Tool calls dispatched with no receipt yet whose landing deadline is ahead (a slot).",
+        labels=["tool"],
+    )
+    for tool, n in sorted(in_flight_counts().items()):
+        busy.add_metric([tool], n)
+    waiting = GaugeMetricFamily(
+        "agentops_tool_capacity_waiting",
+        "Runs waiting for capacity on a limited tool.",
+        labels=["tool"],
+    )
+    limit = GaugeMetricFamily(
+        "agentops_tool_limit_max_in_flight",
+        "The maximum of calls in flight a tool's limit allows (limited tools only).",
+        labels=["tool"],
+    )
+    waits = waiting_counts()
+    for view in limit_views():
+        waiting.add_metric([view.tool_name], waits.get(view.tool_name, 0))
+        effective = view.effective
+        if effective is not None and effective.max_in_flight is not None:
+            limit.add_metric([view.tool_name], effective.max_in_flight)
+    granted = CounterMetricFamily(
+        "agentops_tool_capacity_grants",
+        "Dispatches of limited tools that took a slot, by tool.",
+        labels=["tool"],
+    )
+    from django.db.models import Sum
+
+    for tool, n in (
+        ToolCapacity.objects.values_list("tool_name").annotate(n=Sum("grants")).order_by()
+    ):
+        granted.add_metric([tool], n or 0)
+    yield from (busy, waiting, limit, granted)
