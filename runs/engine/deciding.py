@@ -23,10 +23,11 @@ from runs.engine.toolcalls import (
     _reconcile,
     _storage_notes,
     complete_step,
+    denial_text,
     mark_unknown,
     record_receipt,
 )
-from runs.gate import gate_installed
+from runs.gate import Verdict, assess, gate_installed, policy_facts
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.record import rows, transitions
 from runs.record.checkpoint import Checkpoint
@@ -71,9 +72,17 @@ def _decide(lease: Lease, action: Any) -> str:
     return Outcome.PARKED
 
 
-def _rejected_call(lease: Lease, action: CallTool, seq: int, error: str) -> str:
-    """A call the engine refuses before anything happens (unknown tool, bad arguments):
-    recorded as a failed step the agent sees, never dispatched."""
+def _rejected_call(
+    lease: Lease,
+    action: CallTool,
+    seq: int,
+    error: str,
+    *,
+    arguments: Any = "(not recorded: invalid call)",
+    **event: Any,
+) -> str:
+    """A call the engine refuses before anything happens (unknown tool, bad arguments, a
+    policy's ``deny``): recorded as a failed step the agent sees, never dispatched."""
     with lease.checkpoint() as cp:
         step = transitions.step_refused(
             cp,
@@ -81,9 +90,10 @@ def _rejected_call(lease: Lease, action: CallTool, seq: int, error: str) -> str:
             seq=seq,
             kind=Step.Kind.TOOL_CALL,
             incarnation=lease.fence,
-            input={"tool": action.tool, "arguments": "(not recorded: invalid call)"},
+            input={"tool": action.tool, "arguments": arguments},
             error=error,
             tool=action.tool,
+            **event,
         )
     lease.run.steps_used += 1
     lease.steps.append(step)
@@ -114,12 +124,16 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
         # nothing is dispatched or approved yet: the agent sees a refused call (the resource
         # it names may be gone) rather than the run crashing in every incarnation
         return _rejected_call(lease, action, seq, f"precondition raised: {_describe(exc)}")
-    needs_approval = tool.approval.requires_approval(arguments)
+    masked = tool.mask(arguments)
+    facts = policy_facts(run)
+    verdict = assess(run=run, tool=tool, arguments=arguments, facts=facts)
+    if verdict.denied:
+        return _denied_call(lease, action, seq, masked, verdict)
+    needs_approval = verdict.needs_approval
     if needs_approval and not gate_installed():
         return _rejected_call(
             lease, action, seq, "the call needs approval and no gate is installed"
         )
-    masked = tool.mask(arguments)
     revoked = principal_refusal(lease, tool)
     root_id = run.root_run_id or run.id
     idempotency_key = f"{root_id}:{seq}"
@@ -135,7 +149,16 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
             idempotency_key, sibling = f"{run.id}:{seq}", None
     if sibling is not None and not revoked:
         return _decide_family_call(
-            lease, seq, tool, arguments, masked, fingerprint, sibling, execute=execute
+            lease,
+            seq,
+            tool,
+            arguments,
+            masked,
+            fingerprint,
+            sibling,
+            execute=execute,
+            facts=facts,
+            needs_approval=needs_approval,
         )
 
     step = Step(
@@ -155,6 +178,7 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
         arguments_digest=digest(arguments),
         idempotency_key=idempotency_key,
         precondition_fingerprint=fingerprint,
+        policy_input=facts,
     )
     if (
         execute
@@ -195,6 +219,21 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
     if not execute:
         return Outcome.CONTINUE
     return _execute(lease, step, call, tool)
+
+
+def _denied_call(
+    lease: Lease, action: CallTool, seq: int, masked: dict[str, Any], verdict: Verdict
+) -> str:
+    """The approval policy denies the call: a failed step with the policy's reason (the
+    agent sees it and decides again), nothing asked of anyone, nothing dispatched."""
+    return _rejected_call(
+        lease,
+        action,
+        seq,
+        denial_text(verdict),
+        arguments=masked,
+        policy_version=verdict.policy_version,
+    )
 
 
 def _record_decided(
@@ -345,6 +384,8 @@ def _decide_family_call(
     sibling: ToolCall,
     *,
     execute: bool = True,
+    facts: dict[str, Any],
+    needs_approval: bool,
 ) -> str:
     """A fork decided the very call its family already made under this key. Its effect is
     never repeated blindly: a succeeded receipt is adopted; a dispatch without a receipt is
@@ -354,7 +395,6 @@ def _decide_family_call(
     receipt = getattr(sibling, "receipt", None)
     adopt = receipt is not None and receipt.outcome == ToolReceipt.Outcome.SUCCEEDED
     in_doubt = not adopt and receipt is None and sibling.attempt_count > 0
-    needs_approval = tool.approval.requires_approval(arguments)
     with lease.checkpoint() as cp:
         step = Step.objects.create(
             run_id=run.id,
@@ -374,6 +414,7 @@ def _decide_family_call(
             arguments_digest=digest(arguments),
             idempotency_key=sibling.idempotency_key,
             precondition_fingerprint=fingerprint,
+            policy_input=facts,
         )
         cp.event(
             "step.decided",
