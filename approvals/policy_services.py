@@ -34,9 +34,7 @@ SIMULATE_MAX_CALLS = 5000
 
 class PolicyInvalid(InvalidInput):
     """The version's rules do not validate; nothing was written. ``fields``: messages by
-    field (``rule 2``, ``time_zone``, ``note``)."""
-
-    code = "policy_invalid"
+    field (``rule 2``, ``time_zone``, ``note``): the API's ``validation_error`` fields."""
 
     def __init__(self, fields: dict[str, list[str]]) -> None:
         summary = "; ".join(f"{where}: {' '.join(msgs)}" for where, msgs in fields.items())
@@ -45,11 +43,12 @@ class PolicyInvalid(InvalidInput):
 
 
 class PolicyConflict(InvalidState):
-    code = "policy_conflict"
+    """Not a draft any more, or drafted against a version that is no longer current
+    (``invalid_state``: 409)."""
 
 
 class SeparationOfDuties(PermissionDenied):
-    code = "separation_of_duties"
+    """The drafter tried to publish (``permission_denied``: 403)."""
 
 
 def _tool_schema(tool_name: str) -> dict[str, Any] | None:
@@ -378,13 +377,59 @@ def policy_simulate(*, actor: Actor, version_id: Any, days: int = 7) -> Simulati
     if not isinstance(days, int) or not 1 <= days <= SIMULATE_MAX_DAYS:
         raise InvalidInput(f"days must be a whole number from 1 to {SIMULATE_MAX_DAYS}")
     version = ApprovalPolicyVersion.objects.select_related("policy").get(id=version_id)
+    simulation = simulate(version, days=days)
+    if version.status == ApprovalPolicyVersion.Status.DRAFT:
+        version.simulated = {
+            "at": timezone.now().isoformat(),
+            "by": actor.label,
+            "days": days,
+            "calls": len(simulation.calls),
+            "counts": simulation.counts,
+        }
+        version.save(update_fields=["simulated"])
+    return simulation
+
+
+def policy_rules_simulate(
+    *,
+    actor: Actor,
+    tool_name: str,
+    rules: Any,
+    time_zone: str = "UTC",
+    agent_name: str = "",
+    principal_group: str = "",
+    days: int = 7,
+) -> Simulation:
+    """Simulate rules that are not written as a version yet (``policy_simulate --rules``,
+    the API): validated like a draft, compared with the policy in force now; nothing is
+    written."""
+    actor.require(MANAGE)
+    if not isinstance(days, int) or not 1 <= days <= SIMULATE_MAX_DAYS:
+        raise InvalidInput(f"days must be a whole number from 1 to {SIMULATE_MAX_DAYS}")
+    if _tool_schema(tool_name) is None:
+        raise PolicyInvalid({"tool": [f"no tool named {tool_name!r} is registered"]})
+    version_validate(tool_name=tool_name, rules=rules, time_zone=time_zone, note="(simulation)")
+    policy = ApprovalPolicy.objects.filter(
+        tool_name=tool_name, agent_name=agent_name, principal_group=principal_group
+    ).first() or ApprovalPolicy(
+        tool_name=tool_name, agent_name=agent_name, principal_group=principal_group
+    )
+    unsaved = ApprovalPolicyVersion(policy=policy, number=0, rules=rules, time_zone=time_zone)
+    return simulate(unsaved, days=days)
+
+
+def simulate(version: ApprovalPolicyVersion, *, days: int) -> Simulation:
     policy = version.policy
     tool_name = policy.tool_name
     try:
         tool = registry.tool(tool_name)
     except UnknownTool:
         tool = None
-    current = policy.versions.filter(status=ApprovalPolicyVersion.Status.PUBLISHED).first()
+    current = (
+        policy.versions.filter(status=ApprovalPolicyVersion.Status.PUBLISHED).first()
+        if policy.pk is not None
+        else None
+    )
     if current is not None and current.id == version.id:
         current = current.based_on
     compared_with = f"version {current.number}" if current is not None else "the code policy"
@@ -444,7 +489,7 @@ def policy_simulate(*, actor: Actor, version_id: Any, days: int = 7) -> Simulati
                 reconstructed=reconstructed,
             )
         )
-    simulation = Simulation(
+    return Simulation(
         version_id=version.id,
         tool_name=tool_name,
         days=days,
@@ -454,16 +499,6 @@ def policy_simulate(*, actor: Actor, version_id: Any, days: int = 7) -> Simulati
         counts={key: counts.get(key, 0) for key in Change.LABELS},
         truncated=truncated,
     )
-    if version.status == ApprovalPolicyVersion.Status.DRAFT:
-        version.simulated = {
-            "at": timezone.now().isoformat(),
-            "by": actor.label,
-            "days": days,
-            "calls": len(results),
-            "counts": simulation.counts,
-        }
-        version.save(update_fields=["simulated"])
-    return simulation
 
 
 def _key(verdict: Verdict, tool: Any) -> tuple:
