@@ -331,6 +331,7 @@ class RuleForm(forms.Form):
             ("deny", "deny"),
         ],
         required=False,
+        label="Decision",
     )
     reason = forms.CharField(
         required=False, max_length=500, label="Reason (deny: the agent sees it)"
@@ -528,7 +529,9 @@ def policy_draft(request: HttpRequest) -> HttpResponse:
         form = DraftForm(initial=initial, fixed_scope=policy is not None)
         rules = start.rules if start else []
         formset = RuleFormSet(prefix="rules", initial=[RuleForm.initial_for(r) for r in rules])
-    status = 400 if error else 200
+    # the form shown again with its errors is a page like any other (Django's FormView
+    # answers 200 too): the API answers 400 validation_error for the same rules
+    status = 200
     return render(
         request,
         "approvals/policy_draft.html",
