@@ -23,7 +23,7 @@ from runs.audit import audit_record
 from runs.gate import Verdict, code_verdict, policy_facts
 from runs.models import ToolCall
 from runs.record.checkpoint import checkpoint
-from runs.registry import UnknownTool, registry
+from runs.registry import UnknownTool, call_summary, registry
 from runs.services import InvalidInput, InvalidState, toolcall_gate_settled
 
 MANAGE = "approvals.manage_approvalpolicy"
@@ -313,6 +313,8 @@ class SimulatedCall:
     run_id: Any
     idempotency_key: str
     arguments_masked: dict[str, Any]
+    # the call as people read it ("Refund 200.00 EUR to order ord_1004"), masked
+    summary: str
     decided_at: str
     principal: str
     spend: str
@@ -480,6 +482,7 @@ def simulate(version: ApprovalPolicyVersion, *, days: int) -> Simulation:
                 run_id=call.run_id,
                 idempotency_key=call.idempotency_key,
                 arguments_masked=call.arguments_masked,
+                summary=call_summary(tool_name, call.arguments_masked),
                 decided_at=str(facts.get("at", "")),
                 principal=str(facts.get("principal", "")),
                 spend=str(facts.get("spend", "")),
