@@ -6,6 +6,7 @@ from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
 from approvals import api as approvals_api
+from approvals import policy_api
 from runs import api as runs_api
 from runs.api import history as history_api
 from runs.api import limits as limits_api
@@ -93,6 +94,28 @@ v1 = [
         "approvals/<int:approval_id>/decision/",
         approvals_api.ApprovalDecideApi.as_view(),
         name="approval-decision",
+    ),
+    # approval policies as data (docs/api.md, "Approval policies")
+    path("policies/", policy_api.PolicyListApi.as_view(), name="policies"),
+    path(
+        "policies/simulations/",
+        policy_api.PolicyRulesSimulateApi.as_view(),
+        name="policy-simulations",
+    ),
+    path(
+        "policy-versions/<int:version_id>/",
+        policy_api.PolicyVersionDetailApi.as_view(),
+        name="policy-version",
+    ),
+    path(
+        "policy-versions/<int:version_id>/simulation/",
+        policy_api.PolicyVersionSimulateApi.as_view(),
+        name="policy-version-simulation",
+    ),
+    path(
+        "policy-versions/<int:version_id>/publication/",
+        policy_api.PolicyVersionPublishApi.as_view(),
+        name="policy-version-publication",
     ),
 ]
 

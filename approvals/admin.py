@@ -16,7 +16,13 @@ from django.db.models import Prefetch
 from django.urls import reverse
 from django.utils.html import format_html, format_html_join
 
-from approvals.models import Approval, ApprovalDecision, ApprovalLink
+from approvals.models import (
+    Approval,
+    ApprovalDecision,
+    ApprovalLink,
+    ApprovalPolicy,
+    ApprovalPolicyVersion,
+)
 from runs.admin import ChannelFilter, ReadOnlyAdmin, ToolFilter, run_link
 from runs.masking import UNMASKED, maskers_for_ids
 
@@ -238,3 +244,77 @@ class ApprovalLinkAdmin(ReadOnlyAdmin):
     date_hierarchy = "created_at"
     # only a hash is stored, and even that tells an auditor nothing
     exclude = ["token_hash"]
+
+
+# --- approval policies: read here by auditors; managed in the console (docs/console.md) --------
+
+
+class PolicyVersionInline(admin.TabularInline):
+    model = ApprovalPolicyVersion
+    extra = 0
+    can_delete = False
+    fields = [
+        "number",
+        "status",
+        "note",
+        "created_by",
+        "created_at",
+        "published_by",
+        "published_at",
+    ]
+    readonly_fields = fields
+    ordering = ["-number"]
+    show_change_link = True
+
+    def has_add_permission(self, request, obj=None):
+        return False
+
+
+@admin.register(ApprovalPolicy)
+class ApprovalPolicyAdmin(ReadOnlyAdmin):
+    list_display = ["tool_name", "agent_name", "principal_group", "created_by", "created_at"]
+    search_fields = ["tool_name", "agent_name", "principal_group"]
+    inlines = [PolicyVersionInline]
+
+
+@admin.register(ApprovalPolicyVersion)
+class ApprovalPolicyVersionAdmin(ReadOnlyAdmin):
+    list_display = [
+        "policy",
+        "number",
+        "status",
+        "created_by",
+        "created_at",
+        "published_by",
+        "published_at",
+        "approvals_required",
+    ]
+    list_filter = ["status", "policy__tool_name"]
+    search_fields = ["policy__tool_name", "note", "created_by__username", "published_by__username"]
+    list_select_related = ["policy", "created_by", "published_by"]
+    readonly_fields = [
+        "policy",
+        "number",
+        "status",
+        "rules_shown",
+        "time_zone",
+        "note",
+        "based_on",
+        "created_by",
+        "created_at",
+        "published_by",
+        "published_at",
+        "simulated",
+    ]
+    exclude = ["rules"]
+
+    @admin.display(description="rules")
+    def rules_shown(self, obj):
+        return format_html("<pre>{}</pre>", json.dumps(obj.rules, indent=2))
+
+    @admin.display(description="approvals it required")
+    def approvals_required(self, obj):
+        url = (
+            reverse("admin:approvals_approval_changelist") + f"?policy_version__id__exact={obj.id}"
+        )
+        return format_html('<a href="{}">approvals</a>', url)

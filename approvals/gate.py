@@ -3,17 +3,158 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Any
 
+from django.db.models import Q
 from django.db.models.functions import Now
 
-from approvals.models import Approval
+from approvals import policies
+from approvals.models import Approval, ApprovalDecision, ApprovalPolicyVersion
 from approvals.notify import links_create_and_email
 from runs.dbtime import db_now
-from runs.gate import GateRefused, GateView
+from runs.gate import GateRefused, GateView, Verdict, code_verdict, recorded_facts
 from runs.record.eventtypes import EventType
 
 
+def current_version(
+    tool_name: str, *, agent: str = "", groups: Any = ()
+) -> ApprovalPolicyVersion | None:
+    """The published version of the most specific data policy for this tool, agent and
+    principal's groups (agent and group > agent > group > the tool's own), or None: the
+    tool's code policy applies. One query."""
+    candidates = list(
+        ApprovalPolicyVersion.objects.filter(
+            status=ApprovalPolicyVersion.Status.PUBLISHED, policy__tool_name=tool_name
+        )
+        .filter(Q(policy__agent_name="") | Q(policy__agent_name=agent or ""))
+        .filter(Q(policy__principal_group="") | Q(policy__principal_group__in=list(groups or ())))
+        .select_related("policy")
+    )
+    if not candidates:
+        return None
+    return max(
+        candidates,
+        key=lambda v: (
+            bool(v.policy.agent_name) * 2 + bool(v.policy.principal_group),
+            # two group policies for a principal in both: the first group by name, so
+            # every process picks the same one
+            [-ord(c) for c in v.policy.principal_group],
+        ),
+    )
+
+
+def verdict_of(
+    version: ApprovalPolicyVersion, *, tool_name: str, arguments: Any, facts: dict[str, Any]
+) -> Verdict:
+    outcome = policies.evaluate(
+        version.rules,
+        arguments=arguments,
+        facts=facts,
+        tool=tool_name,
+        time_zone=version.time_zone,
+    )
+    reason = outcome.reason
+    if outcome.decision == Verdict.DENY and not reason:
+        reason = f"rule {outcome.rule} of policy version {version.number}"
+    return Verdict(
+        outcome.decision, reason=reason, policy_version=version.id, requirement=outcome.requirement
+    )
+
+
+def approvals_by_group(approval: Approval, group: str) -> int:
+    """How many distinct people in ``group`` (or superusers) approved ``approval``."""
+    return (
+        ApprovalDecision.objects.filter(
+            approval=approval, decision=ApprovalDecision.Decision.APPROVE
+        )
+        .filter(Q(decider__groups__name=group) | Q(decider__is_superuser=True))
+        .values("decider")
+        .distinct()
+        .count()
+    )
+
+
+def satisfies(approval: Approval, requirement: policies.Requirement) -> bool:
+    """Whether what was approved meets ``requirement`` (the current policy's): enough
+    approvals from the group it names. A stricter policy is not met by fewer approvers, or
+    by approvers from another group; a looser one is."""
+    return approvals_by_group(approval, requirement.group) >= requirement.required
+
+
+def pending_satisfies(approval: Approval, requirement: policies.Requirement) -> bool:
+    """Whether a pending approval asks at least what ``requirement`` asks: the same group
+    and no fewer approvers (it settles only once that many approved)."""
+    return (
+        approval.approver_group == requirement.group
+        and approval.required_count >= requirement.required
+    )
+
+
+def approval_create(
+    *, cp, call, requirement: policies.Requirement | None, tool=None, version_id=None, **event
+) -> Approval:
+    """A pending approval for ``call``: what a data policy's rule requires, or the tool's
+    code policy (``requirement`` None), copied onto the approval; ``approval.requested``
+    appended and each eligible approver emailed after the commit."""
+    if requirement is None:
+        code = tool.approval
+        requirement = policies.Requirement(
+            group=code.group,
+            required=code.required,
+            ttl_seconds=code.ttl_seconds,
+            on_expiry=str(code.on_expiry),
+            escalate_to=code.escalate_to,
+            bearer_links=code.bearer_links,
+        )
+        allow_self, separate = code.allow_self_approval, code.separate_duties
+    else:
+        allow_self, separate = False, True
+    approval = Approval.objects.create(
+        run_id=call.run_id,
+        tool_call=call,
+        tool_name=call.tool_name,
+        tool_version=call.tool_version,
+        arguments_digest=call.arguments_digest,
+        precondition_fingerprint=call.precondition_fingerprint,
+        arguments_masked=call.arguments_masked,
+        approver_group=requirement.group,
+        required_count=requirement.required,
+        allow_self_approval=allow_self,
+        require_login=not requirement.bearer_links,
+        separate_duties=separate,
+        on_expiry=requirement.on_expiry,
+        escalate_to=requirement.escalate_to,
+        ttl_seconds=requirement.ttl_seconds,
+        policy_version_id=version_id,
+        # database time, like every expiry check
+        expires_at=db_now() + timedelta(seconds=requirement.ttl_seconds),
+    )
+    cp.event(
+        EventType.APPROVAL_REQUESTED,
+        approval=approval.id,
+        seq=call.step.seq,
+        tool=call.tool_name,
+        arguments=call.arguments_masked,
+        group=requirement.group,
+        required=requirement.required,
+        expires_at=approval.expires_at.isoformat(),
+        policy_version=version_id,
+        **event,
+    )
+    # each eligible approver gets an email with their own link, sent after the commit
+    links_create_and_email(approval=approval, principal_id=cp.run.principal_id)
+    return approval
+
+
 class ApprovalsGate:
+    def assess(self, *, run, tool, arguments, facts) -> Verdict:
+        version = current_version(
+            tool.name, agent=facts.get("agent", ""), groups=facts.get("groups", ())
+        )
+        if version is None:
+            return code_verdict(tool, arguments)
+        return verdict_of(version, tool_name=tool.name, arguments=arguments, facts=facts)
+
     def approvals_of(self, call_ids) -> dict:
         views: dict = {}
         rows = (
@@ -27,40 +168,33 @@ class ApprovalsGate:
         return views
 
     def request(self, *, cp, run, call, tool) -> None:
-        policy = tool.approval
-        approval = Approval.objects.create(
-            run_id=call.run_id,
-            tool_call=call,
-            tool_name=call.tool_name,
-            tool_version=call.tool_version,
-            arguments_digest=call.arguments_digest,
-            precondition_fingerprint=call.precondition_fingerprint,
-            arguments_masked=call.arguments_masked,
-            approver_group=policy.group,
-            required_count=policy.required,
-            allow_self_approval=policy.allow_self_approval,
-            require_login=policy.links_need_sign_in,
-            separate_duties=policy.separate_duties,
-            on_expiry=str(policy.on_expiry),
-            escalate_to=policy.escalate_to,
-            ttl_seconds=policy.ttl_seconds,
-            # database time, like every expiry check
-            expires_at=db_now() + timedelta(seconds=policy.ttl_seconds),
+        verdict = self.assess(
+            run=run, tool=tool, arguments=call.arguments, facts=recorded_facts(run, call)
         )
-        cp.event(
-            EventType.APPROVAL_REQUESTED,
-            approval=approval.id,
-            seq=call.step.seq,
-            tool=call.tool_name,
-            arguments=call.arguments_masked,
-            group=policy.group,
-            required=policy.required,
-            expires_at=approval.expires_at.isoformat(),
+        # a data policy's requirement when one asks; otherwise (no data policy, or a
+        # re-request its current version would allow) the tool's code policy
+        approval_create(
+            cp=cp,
+            call=call,
+            tool=tool,
+            requirement=verdict.requirement if verdict.needs_approval else None,
+            version_id=verdict.policy_version if verdict.needs_approval else None,
         )
-        # each eligible approver gets an email with their own link, sent after the commit
-        links_create_and_email(approval=approval, principal_id=cp.run.principal_id)
 
-    def consume(self, *, cp, call, tool) -> None:
+    def consume(self, *, cp, call, tool, verdict=None) -> None:
+        if verdict is not None and verdict.needs_approval and verdict.requirement is not None:
+            # the current data policy, re-evaluated in this transaction: an approval given
+            # under a looser one (fewer approvers, another group) is withdrawn and asked
+            # again — never used for a call the current rules would not let through
+            approval = Approval.objects.filter(
+                tool_call=call, status=Approval.Status.APPROVED, consumed_at__isnull=True
+            ).first()
+            if approval is not None and not satisfies(approval, verdict.requirement):
+                raise GateRefused(
+                    f"the approval no longer satisfies the current policy: it needs "
+                    f"{verdict.requirement.describe()}",
+                    reason="policy_changed",
+                )
         # One conditional UPDATE: an approval is consumed exactly once, and only while it is
         # still bound to this exact call (tool, version, arguments) and not expired.
         consumed = Approval.objects.filter(

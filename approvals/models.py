@@ -48,6 +48,14 @@ class Approval(models.Model):
     # set by the one sweep pass that sends the reminder (a conditional UPDATE: sent once)
     reminder_sent_at = models.DateTimeField(null=True, blank=True)
     reason = models.TextField(blank=True)
+    # the data policy version that required this approval (None: the tool's code policy)
+    policy_version = models.ForeignKey(
+        "ApprovalPolicyVersion",
+        on_delete=models.PROTECT,
+        related_name="approvals",
+        null=True,
+        blank=True,
+    )
 
     class Meta:
         ordering = ["-requested_at"]
@@ -131,3 +139,109 @@ class ApprovalLink(models.Model):
 
     def __str__(self) -> str:
         return f"link for {self.approver_id} on approval {self.approval_id}"
+
+
+# --- approval policies as data (docs/approvals.md, "Policies") --------------------------------
+
+
+class ImmutableVersion(Exception):
+    """An integrity guard (as ``runs.models.AppendOnlyError``): a published or drafted
+    version is never edited through the ORM. A bug if reached, not a user's error."""
+
+
+class ApprovalPolicy(models.Model):
+    """The data policy of one tool, optionally for one agent and/or one principal group.
+    Its rules live in ``ApprovalPolicyVersion`` rows: a change is a new version, never an
+    edit. With no published version the tool's code policy applies."""
+
+    tool_name = models.CharField(max_length=100)
+    # scope: empty means every agent / every principal; the most specific policy wins
+    agent_name = models.CharField(max_length=100, blank=True)
+    principal_group = models.CharField(max_length=150, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+", null=True
+    )
+
+    class Meta:
+        ordering = ["tool_name", "agent_name", "principal_group"]
+        verbose_name_plural = "approval policies"
+        permissions = [
+            ("manage_approvalpolicy", "Can draft, simulate and publish approval policies")
+        ]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["tool_name", "agent_name", "principal_group"], name="policy_one_per_scope"
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"policy for {self.tool_name}{self.scope_label}"
+
+    @property
+    def scope_label(self) -> str:
+        parts = []
+        if self.agent_name:
+            parts.append(f"agent {self.agent_name}")
+        if self.principal_group:
+            parts.append(f"principals in {self.principal_group}")
+        return f" ({', '.join(parts)})" if parts else ""
+
+
+class ApprovalPolicyVersion(models.Model):
+    """One version of a policy's rules. Written once: its rules, time zone and note never
+    change (``save`` refuses); only its publication is recorded on it (a draft becomes
+    ``published``, the version it replaces ``superseded``)."""
+
+    class Status(models.TextChoices):
+        DRAFT = "draft"
+        PUBLISHED = "published"
+        SUPERSEDED = "superseded"
+        DISCARDED = "discarded"
+
+    policy = models.ForeignKey(ApprovalPolicy, on_delete=models.PROTECT, related_name="versions")
+    number = models.PositiveIntegerField()
+    status = models.CharField(max_length=20, choices=Status.choices, default=Status.DRAFT)
+    rules = models.JSONField(default=list)
+    time_zone = models.CharField(max_length=64, default="UTC")
+    # why: required of every version (the audit trail's "who, when, why")
+    note = models.TextField()
+    # the published version this draft was written against: publishing it after another
+    # version was published meanwhile is refused (it would silently undo that change)
+    based_on = models.ForeignKey(
+        "self", on_delete=models.PROTECT, related_name="+", null=True, blank=True
+    )
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+"
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    published_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+", null=True
+    )
+    published_at = models.DateTimeField(null=True, blank=True)
+    # what the simulation last run on this draft found (counts), for the publish page
+    simulated = models.JSONField(null=True, blank=True)
+
+    # the fields that may change after the version is written: its publication
+    MUTABLE = frozenset({"status", "published_by", "published_at", "simulated"})
+
+    class Meta:
+        ordering = ["policy", "-number"]
+        constraints = [
+            models.UniqueConstraint(fields=["policy", "number"], name="policy_version_number"),
+            # one current version per policy
+            models.UniqueConstraint(
+                fields=["policy"], condition=Q(status="published"), name="policy_one_published"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.policy} v{self.number} ({self.status})"
+
+    def save(self, *args, **kwargs):
+        # an integrity guard (CONVENTIONS 3): a version's content is written once
+        if not self._state.adding:
+            fields = kwargs.get("update_fields")
+            if fields is None or not set(fields) <= self.MUTABLE:
+                raise ImmutableVersion("a policy version is never edited: draft a new one")
+        super().save(*args, **kwargs)

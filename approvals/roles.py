@@ -41,6 +41,8 @@ ROLE_PERMISSIONS: dict[str, list[str]] = {
         "approvals.view_approval",
         "approvals.view_approvaldecision",
         "approvals.view_approvallink",
+        "approvals.view_approvalpolicy",
+        "approvals.view_approvalpolicyversion",
         "auth.view_user",
         "auth.view_group",
     ],
@@ -55,6 +57,11 @@ ROLE_PERMISSIONS: dict[str, list[str]] = {
         "runs.resolve_toolcall",
         "approvals.view_approval",
         "approvals.decide_approval",
+        # approval policies as data (docs/approvals.md, "Policies"): list, diff, draft,
+        # simulate and publish — publishing takes a second admin
+        "approvals.view_approvalpolicy",
+        "approvals.view_approvalpolicyversion",
+        "approvals.manage_approvalpolicy",
     ],
 }
 

@@ -375,6 +375,7 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
                     escalate_to=group,
                     ttl_seconds=ttl_seconds,
                     expires_at=db_now() + timedelta(seconds=ttl_seconds),
+                    policy_version_id=approval.policy_version_id,
                 )
                 cp.event(
                     EventType.APPROVAL_REQUESTED,

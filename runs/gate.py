@@ -18,7 +18,65 @@ if TYPE_CHECKING:
 
 
 class GateRefused(Exception):
-    """No valid approval for this exact call: it must not be dispatched."""
+    """No valid approval for this exact call: it must not be dispatched. ``reason`` is why
+    its approval is withdrawn before a new one is asked (``superseded``, ``policy_changed``)."""
+
+    def __init__(self, message: str, *, reason: str = "superseded") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the approval policy says of one call (docs/approvals.md, "Policies"): ``allow``,
+    ``deny`` (the step fails with ``reason``, which the agent sees) or ``require_approval``.
+    ``policy_version``: the data policy version that decided (None: the tool's code policy).
+    ``requirement``: the approval asked for, the gate's own business."""
+
+    outcome: str
+    reason: str = ""
+    policy_version: Any = None
+    requirement: Any = None
+
+    ALLOW = "allow"
+    DENY = "deny"
+    REQUIRE_APPROVAL = "require_approval"
+
+    @property
+    def needs_approval(self) -> bool:
+        return self.outcome == self.REQUIRE_APPROVAL
+
+    @property
+    def denied(self) -> bool:
+        return self.outcome == self.DENY
+
+
+def code_verdict(tool: Tool, arguments: Any) -> Verdict:
+    """The tool's code policy (never / always / a predicate): the default."""
+    needed = tool.approval.requires_approval(arguments)
+    return Verdict(Verdict.REQUIRE_APPROVAL if needed else Verdict.ALLOW)
+
+
+def policy_facts(run: Run) -> dict[str, Any]:
+    """What a policy may read of a call besides its arguments, as of now: the principal and
+    its groups, the agent, the run's spend so far and the time. Recorded on the call
+    (``ToolCall.policy_input``) when it is decided, so a policy is re-evaluated — at the
+    dispatch, or in a simulation — on what was true then."""
+    from django.utils import timezone
+
+    principal = run.principal if run.principal_id is not None else None
+    groups = (
+        sorted(principal.groups.values_list("name", flat=True)) if principal is not None else []
+    )
+    return {
+        "principal": principal.get_username() if principal is not None else "",
+        "groups": groups,
+        "agent": run.agent_name,
+        "spend": str(run.cost_used),
+        # the application's clock, not the database's: a time of day for rules, never a
+        # deadline (and no query on the decision's path)
+        "at": timezone.now().isoformat(),
+    }
 
 
 @dataclass(frozen=True)
@@ -38,6 +96,10 @@ class GateView:
 
 
 class ApprovalGate(Protocol):
+    def assess(self, *, run: Run, tool: Tool, arguments: Any, facts: dict[str, Any]) -> Verdict:
+        """The current policy's verdict on a call with ``arguments`` decided with ``facts``
+        (``policy_facts``): the data policy's current version, else the tool's code policy."""
+
     def approvals_of(self, call_ids: Iterable[Any]) -> dict[Any, list[GateView]]:
         """Each call's approvals, oldest first (one query whatever the number of calls);
         a call with none is absent."""
@@ -46,10 +108,13 @@ class ApprovalGate(Protocol):
         """Inside the ``approval_requested`` transaction: create the pending approval and
         append ``approval.requested`` through ``cp``."""
 
-    def consume(self, *, cp: Checkpoint, call: ToolCall, tool: Tool) -> None:
+    def consume(
+        self, *, cp: Checkpoint, call: ToolCall, tool: Tool, verdict: Verdict | None = None
+    ) -> None:
         """Inside the ``dispatching`` transaction: mark the call's approval consumed, once.
         Raises ``GateRefused`` when there is no unconsumed approval bound to this call's
-        tool, tool version and argument digest."""
+        tool, tool version and argument digest, or when the approval no longer satisfies
+        ``verdict`` (the current policy's, re-evaluated in this transaction)."""
 
     def cancel(self, *, cp: Checkpoint, call: ToolCall, reason: str) -> None:
         """The call will never be dispatched (run ended, call cancelled): cancel its
@@ -59,13 +124,16 @@ class ApprovalGate(Protocol):
 class _NoGate:
     installed = False
 
+    def assess(self, *, run, tool, arguments, facts) -> Verdict:
+        return code_verdict(tool, arguments)
+
     def approvals_of(self, call_ids) -> dict:
         return {}
 
     def request(self, *, cp, run, call, tool) -> None:
         raise GateRefused("no approval gate is installed; the call needs approval")
 
-    def consume(self, *, cp, call, tool) -> None:
+    def consume(self, *, cp, call, tool, verdict=None) -> None:
         raise GateRefused("no approval gate is installed; the call needs approval")
 
     def cancel(self, *, cp, call, reason) -> None:
@@ -86,3 +154,13 @@ def get_gate() -> ApprovalGate:
 
 def gate_installed() -> bool:
     return getattr(_gate, "installed", True)
+
+
+def recorded_facts(run: Run, call: ToolCall) -> dict[str, Any]:
+    """The facts recorded when ``call`` was decided; for a call decided before they were
+    recorded, the run's as of now."""
+    return call.policy_input or policy_facts(run)
+
+
+def assess(*, run: Run, tool: Tool, arguments: Any, facts: dict[str, Any]) -> Verdict:
+    return _gate.assess(run=run, tool=tool, arguments=arguments, facts=facts)

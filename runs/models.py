@@ -288,6 +288,10 @@ class ToolCall(models.Model):
     # no lookup was begun since and no operator restarted the rules (toolcall_resolve)
     absent_lookup = models.PositiveIntegerField(null=True, blank=True)
     last_error = models.TextField(blank=True)
+    # what an approval policy could read when the call was decided besides its arguments
+    # (runs.gate.policy_facts: principal, groups, agent, spend so far, time): a policy is
+    # re-evaluated at the dispatch, and simulated against history, on these
+    policy_input = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
     updated_at = models.DateTimeField(auto_now=True)
 

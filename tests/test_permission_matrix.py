@@ -21,7 +21,8 @@ from django.contrib.auth.models import Group
 from django.test import Client
 from rest_framework.test import APIClient
 
-from approvals.models import Approval, ApprovalDecision, ApprovalLink
+from approvals.models import Approval, ApprovalDecision, ApprovalLink, ApprovalPolicyVersion
+from approvals.policy_services import policy_version_draft
 from runs.actors import Actor
 from runs.models import (
     AgentManifest,
@@ -143,6 +144,7 @@ def _snapshot() -> tuple:
         ApprovalDecision.objects.count(),
         sorted(ApprovalLink.objects.values_list("id", "used_at")),
         sorted(Question.objects.values_list("id", "status")),
+        sorted(ApprovalPolicyVersion.objects.values_list("id", "status")),
         sorted(
             (m.name, m.version, m.owner_id, json.dumps(m.question_groups), json.dumps(m.tools))
             for m in AgentManifest.objects.all()
@@ -207,6 +209,40 @@ def pending_approval(w: World) -> tuple[Run, Approval]:
         proposed = agent.propose("refund", {"order_id": "o", "amount_cents": 20000})
     assert proposed.json()["decision"] == "awaiting_approval"
     return run, Approval.objects.get(run=run)
+
+
+POLICY_RULES = [{"when": "args.amount_cents > 5000", "decide": "require_approval"}]
+POLICY_DRAFT = {"tool": "refund_payment", "rules": POLICY_RULES, "note": "above 50.00"}
+ADMINS = {"admin", "superuser"}
+
+
+def drafted(w: World) -> ApprovalPolicyVersion:
+    """A policy draft by an admin who is not the principal under test (the drafter may not
+    publish it)."""
+    from django.contrib.auth import get_user_model
+
+    drafter = get_user_model().objects.create_user(username="drafty")
+    drafter.groups.add(*Group.objects.filter(name="admin"))
+    return policy_version_draft(
+        actor=Actor.for_user(drafter, "web"),
+        tool_name="refund_payment",
+        rules=POLICY_RULES,
+        note="above 50.00",
+    )
+
+
+def policy_form() -> dict[str, str]:
+    return {
+        "tool": "refund_payment",
+        "time_zone": "UTC",
+        "note": "above 50.00",
+        "rules-TOTAL_FORMS": "1",
+        "rules-INITIAL_FORMS": "0",
+        "rules-0-when": "args.amount_cents > 5000",
+        "rules-0-decide": "require_approval",
+        "rules-0-group": "approver",
+        "rules-0-required": "1",
+    }
 
 
 def asked(w: World) -> tuple[Run, Question]:
@@ -338,6 +374,14 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
         {"admin", "superuser"},
     ),
     # --- the remote-agent protocol -------------------------------------------------------------
+    "api draft policy": (
+        simple(lambda w: None, lambda w, _: api_post(w, "policies/", POLICY_DRAFT)),
+        ADMINS,
+    ),
+    "api publish policy": (
+        simple(drafted, lambda w, v: api_post(w, f"policy-versions/{v.id}/publication/")),
+        ADMINS,
+    ),
     "protocol lease": (simple(queued, lambda w, r: api_post(w, f"runs/{r.id}/lease/")), {"agent"}),
     "protocol heartbeat": (fenced("lease/heartbeat"), {"agent"}),
     "protocol release": (fenced("lease/release"), {"agent"}),
@@ -436,6 +480,19 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
     "console answer question": (
         simple(asked, lambda w, rq: web_post(w, f"/questions/{rq[1].id}/", {"answer": "yes"})),
         {"operator", "superuser"},
+    ),
+    "console draft policy": (
+        simple(
+            lambda w: None, lambda w, _: web_post(w, "/approvals/policies/draft/", policy_form())
+        ),
+        ADMINS,
+    ),
+    "console publish policy": (
+        simple(
+            drafted,
+            lambda w, v: web_post(w, f"/approvals/policies/versions/{v.id}/publish/", {}),
+        ),
+        ADMINS,
     ),
     # --- emailed links (POST, signed in, confirmation ticked) ---------------------------------
     "link decide approval": (

@@ -19,9 +19,13 @@ from runs.models import Run
 from runs.services import run_create
 
 DEMO_USERNAME = "demo"
-DEMO_GROUPS = ("operator", "approver", "viewer")
+# ``demo`` is an admin too, and so is ``demo-admin``: an approval policy is drafted by one
+# admin and published by another (docs/approvals.md, "Policies"), so the demo seeds two
+DEMO_GROUPS = ("operator", "approver", "viewer", "admin")
 SECOND_APPROVER_USERNAME = "demo-approver"
 SECOND_APPROVER_GROUPS = ("approver", "viewer")
+SECOND_ADMIN_USERNAME = "demo-admin"
+SECOND_ADMIN_GROUPS = ("admin", "viewer")
 # The runs act as this service account, not as the demo person: an approver may not approve
 # an action taken in their own name, and the demo login should be able to approve.
 SERVICE_USERNAME = "demo-agent"
@@ -97,6 +101,7 @@ def demo_logins_ensure() -> list[DemoLogin]:
     return [
         demo_login_ensure(),
         demo_login_ensure(SECOND_APPROVER_USERNAME, SECOND_APPROVER_GROUPS),
+        demo_login_ensure(SECOND_ADMIN_USERNAME, SECOND_ADMIN_GROUPS),
     ]
 
 

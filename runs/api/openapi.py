@@ -79,6 +79,18 @@ def approval_links(approval_id: str) -> dict[str, dict]:
     }
 
 
+def policy_version_links(version_id: str) -> dict[str, dict]:
+    return {
+        "GetPolicyVersion": link("v1_policy_versions_retrieve", version_id=version_id),
+        "SimulatePolicyVersion": link(
+            "v1_policy_versions_simulation_create", version_id=version_id
+        ),
+        "PublishPolicyVersion": link(
+            "v1_policy_versions_publication_create", version_id=version_id
+        ),
+    }
+
+
 PROPOSED = {
     "DispatchToolCall": link(
         "v1_tool_calls_dispatch_create", REQUEST_FENCE, tool_call_id="$response.body#/tool_call/id"
@@ -159,6 +171,9 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {
     ("/api/v1/approvals/{approval_id}/decision/", "post", "200"): {
         "GetApprovalRun": link("v1_runs_retrieve", run_id="$response.body#/run"),
     },
+    # approval policies (approvals.policy_api): a drafted version -> read, simulate, publish
+    ("/api/v1/policies/", "post", "201"): policy_version_links(ID),
+    ("/api/v1/policies/", "get", "200"): policy_version_links("$response.body#/0/versions/0/id"),
     ("/api/v1/agents/{name}/", "put", "201"): {
         "GetAgent": link("v1_agents_retrieve", name="$request.path.name"),
     },
@@ -267,6 +282,24 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         **FENCE_EXAMPLE,
         "after_seq": 0,
         "messages": [{"role": "user", "content": "Refund order 1001"}],
+    },
+    "DraftInputRequest": {
+        "tool": "refund_payment",
+        "rules": [
+            {
+                "when": "args.amount_cents > 5000",
+                "decide": "require_approval",
+                "approval": {"group": "approver", "required": 2},
+            }
+        ],
+        "time_zone": "Europe/Paris",
+        "note": "refunds above 50.00 need two approvers",
+    },
+    "SimulateInputRequest": {"days": 7},
+    "RulesSimulateInputRequest": {
+        "tool": "refund_payment",
+        "rules": [{"when": "args.amount_cents > 100000", "decide": "deny", "reason": "too large"}],
+        "days": 7,
     },
 }
 

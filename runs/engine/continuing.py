@@ -12,11 +12,12 @@ from runs.engine.toolcalls import (
     _precondition,
     _reconcile,
     complete_step,
+    denial_text,
     dispatch,
     fail_step,
     mark_unknown,
 )
-from runs.gate import get_gate
+from runs.gate import assess, get_gate, recorded_facts
 from runs.models import Run, RunEvent, Step, ToolCall, ToolReceipt
 from runs.record import transitions
 from runs.record.eventtypes import EventType
@@ -171,10 +172,17 @@ def _rebind_to_tool_version(lease: Lease, step: Step, call: ToolCall, tool: Tool
     fingerprint = _precondition(lease, tool, call)
     if fingerprint is None:
         return Outcome.PARKED
-    needs_approval = tool.approval.requires_approval(call.arguments)
+    verdict = assess(
+        run=lease.run, tool=tool, arguments=call.arguments, facts=recorded_facts(lease.run, call)
+    )
+    needs_approval = verdict.needs_approval
     previous = call.tool_version
     with lease.checkpoint() as cp:
         get_gate().cancel(cp=cp, call=call, reason="tool_version_changed")
+        if verdict.denied:
+            transitions.call_cancel(cp, call, reason="policy_denied", detail=verdict.reason)
+            _fail_step_in(cp, lease, step, denial_text(verdict))
+            return Outcome.CONTINUE
         transitions.call_rebind(call, tool, fingerprint=fingerprint, needs_approval=needs_approval)
         cp.event(
             EventType.TOOL_VERSION_CHANGED,

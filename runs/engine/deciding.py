@@ -23,11 +23,12 @@ from runs.engine.toolcalls import (
     _reconcile,
     _storage_notes,
     complete_step,
+    denial_text,
     dispatch,
     mark_unknown,
     record_receipt,
 )
-from runs.gate import gate_installed
+from runs.gate import Verdict, assess, gate_installed, policy_facts
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.record import transitions
 from runs.record.checkpoint import Checkpoint
@@ -73,9 +74,17 @@ def _decide(lease: Lease, action: Any) -> str:
     return Outcome.PARKED
 
 
-def _rejected_call(lease: Lease, action: CallTool, seq: int, error: str) -> str:
-    """A call the engine refuses before anything happens (unknown tool, bad arguments):
-    recorded as a failed step the agent sees, never dispatched."""
+def _rejected_call(
+    lease: Lease,
+    action: CallTool,
+    seq: int,
+    error: str,
+    *,
+    arguments: Any = "(not recorded: invalid call)",
+    **event: Any,
+) -> str:
+    """A call the engine refuses before anything happens (unknown tool, bad arguments, a
+    policy's ``deny``): recorded as a failed step the agent sees, never dispatched."""
     with lease.checkpoint() as cp:
         step = transitions.step_refused(
             cp,
@@ -83,9 +92,10 @@ def _rejected_call(lease: Lease, action: CallTool, seq: int, error: str) -> str:
             seq=seq,
             kind=Step.Kind.TOOL_CALL,
             incarnation=lease.fence,
-            input={"tool": action.tool, "arguments": "(not recorded: invalid call)"},
+            input={"tool": action.tool, "arguments": arguments},
             error=error,
             tool=action.tool,
+            **event,
         )
     lease.run.steps_used += 1
     lease.steps.append(step)
@@ -116,12 +126,16 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
         # nothing is dispatched or approved yet: the agent sees a refused call (the resource
         # it names may be gone) rather than the run crashing in every incarnation
         return _rejected_call(lease, action, seq, f"precondition raised: {_describe(exc)}")
-    needs_approval = tool.approval.requires_approval(arguments)
+    masked = tool.mask(arguments)
+    facts = policy_facts(run)
+    verdict = assess(run=run, tool=tool, arguments=arguments, facts=facts)
+    if verdict.denied:
+        return _denied_call(lease, action, seq, masked, verdict)
+    needs_approval = verdict.needs_approval
     if needs_approval and not gate_installed():
         return _rejected_call(
             lease, action, seq, "the call needs approval and no gate is installed"
         )
-    masked = tool.mask(arguments)
     revoked = principal_refusal(lease, tool)
     root_id = run.root_run_id or run.id
     idempotency_key = f"{root_id}:{seq}"
@@ -146,6 +160,8 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
             sibling,
             execute=execute,
             client_call_id=action.client_call_id,
+            facts=facts,
+            needs_approval=needs_approval,
         )
 
     step = Step(
@@ -166,6 +182,7 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
         idempotency_key=idempotency_key,
         client_call_id=action.client_call_id,
         precondition_fingerprint=fingerprint,
+        policy_input=facts,
     )
     # a limited tool's call is decided first, then dispatched under its limit (``dispatch``):
     # one more commit, for limited tools only
@@ -206,6 +223,21 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
     if limited:
         return dispatch(lease, step, call, tool)
     return _execute(lease, step, call, tool)
+
+
+def _denied_call(
+    lease: Lease, action: CallTool, seq: int, masked: dict[str, Any], verdict: Verdict
+) -> str:
+    """The approval policy denies the call: a failed step with the policy's reason (the
+    agent sees it and decides again), nothing asked of anyone, nothing dispatched."""
+    return _rejected_call(
+        lease,
+        action,
+        seq,
+        denial_text(verdict),
+        arguments=masked,
+        policy_version=verdict.policy_version,
+    )
 
 
 def _record_decided(cp: Checkpoint, lease: Lease, step: Step, call: ToolCall) -> None:
@@ -350,6 +382,8 @@ def _decide_family_call(
     *,
     execute: bool = True,
     client_call_id: str = "",
+    facts: dict[str, Any],
+    needs_approval: bool,
 ) -> str:
     """A fork decided the very call its family already made under this key. Its effect is
     never repeated blindly: a succeeded receipt is adopted; a dispatch without a receipt is
@@ -359,7 +393,6 @@ def _decide_family_call(
     receipt = getattr(sibling, "receipt", None)
     adopt = receipt is not None and receipt.outcome == ToolReceipt.Outcome.SUCCEEDED
     in_doubt = not adopt and receipt is None and sibling.attempt_count > 0
-    needs_approval = tool.approval.requires_approval(arguments)
     limited = flow.limit_for(tool) is not None
     with lease.checkpoint() as cp:
         step = Step(
@@ -382,6 +415,7 @@ def _decide_family_call(
             idempotency_key=sibling.idempotency_key,
             client_call_id=client_call_id,
             precondition_fingerprint=fingerprint,
+            policy_input=facts,
         )
         cp.event(
             EventType.STEP_DECIDED,

@@ -28,7 +28,7 @@ from runs.engine.lease import (
     principal_refusal,
     release,
 )
-from runs.gate import GateRefused, get_gate
+from runs.gate import GateRefused, Verdict, assess, get_gate, recorded_facts
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.record import transitions
 from runs.record.checkpoint import LeaseLost, lease_expiry
@@ -120,10 +120,22 @@ def dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: b
                     f"{call.precondition_fingerprint} -> {fingerprint}",
                 )
             return Outcome.CONTINUE
-    needs_approval = tool.approval.requires_approval(call.arguments)
     limits = flow.limit_for(tool)
     try:
         with lease.checkpoint() as cp:
+            # the CURRENT policy, re-evaluated in the dispatch transaction on the facts the
+            # call was decided with: a policy tightened since then withdraws an approval
+            # that no longer satisfies it; a loosened one never approves a call by itself.
+            # A re-dispatch under the same key (attempt > 0) is reconciliation of an effect
+            # that may already have happened, not a new action: no policy stops it.
+            verdict = assess(
+                run=lease.run,
+                tool=tool,
+                arguments=call.arguments,
+                facts=recorded_facts(lease.run, call),
+            )
+            if verdict.denied and call.attempt_count == 0:
+                raise PolicyDenied(verdict)
             if limits is not None:
                 # the tool's limit, in this transaction, before anything is consumed: over
                 # it, everything here rolls back and the run waits for capacity
@@ -131,15 +143,17 @@ def dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: b
             if call.status == ToolCall.Status.APPROVED:
                 # approved calls always use their approval up, even when an edit brought the
                 # arguments below the policy's threshold: an approval is never left to reuse
-                get_gate().consume(cp=cp, call=call, tool=tool)
-            elif needs_approval and call.attempt_count == 0:
+                get_gate().consume(cp=cp, call=call, tool=tool, verdict=verdict)
+            elif verdict.needs_approval and call.attempt_count == 0:
                 raise GateRefused("the call needs an approval it does not have")
             expected = call.status
             _mark_dispatching(cp, call, lease, tool)
             if transitions.call_write_dispatch(call, expected=expected) != 1:
                 raise LeaseLost(f"tool call {call.idempotency_key} changed under us")
     except GateRefused as exc:
-        return _request_approval_again(lease, step, call, tool, str(exc))
+        return _request_approval_again(lease, step, call, tool, str(exc), reason=exc.reason)
+    except PolicyDenied as denied:
+        return _deny_at_dispatch(lease, step, call, denied.verdict)
     except flow.AtCapacity as full:
         if not execute:
             raise  # a remote agent is told to retry later (runs.remote)
@@ -151,9 +165,34 @@ def dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: b
     return _execute(lease, step, call, tool)
 
 
-def _request_approval_again(lease: Lease, step: Step, call: ToolCall, tool: Tool, why: str) -> str:
+def denial_text(verdict: Verdict) -> str:
+    """What the agent sees of a policy's ``deny`` (its step's error)."""
+    return f"denied by policy: {verdict.reason or 'this call is not allowed'}"
+
+
+class PolicyDenied(Exception):
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.reason)
+        self.verdict = verdict
+
+
+def _deny_at_dispatch(lease: Lease, step: Step, call: ToolCall, verdict: Verdict) -> str:
+    """The current policy denies a call decided (and perhaps approved) under another: its
+    approval is withdrawn, the call cancelled, and the agent sees the policy's reason."""
     with lease.checkpoint() as cp:
-        get_gate().cancel(cp=cp, call=call, reason="superseded")
+        get_gate().cancel(cp=cp, call=call, reason="policy_denied")
+        transitions.call_cancel(
+            cp, call, reason="policy_denied", policy_version=verdict.policy_version
+        )
+        _fail_step_in(cp, lease, step, denial_text(verdict))
+    return Outcome.CONTINUE
+
+
+def _request_approval_again(
+    lease: Lease, step: Step, call: ToolCall, tool: Tool, why: str, *, reason: str = "superseded"
+) -> str:
+    with lease.checkpoint() as cp:
+        get_gate().cancel(cp=cp, call=call, reason=reason)
         call_await_approval(cp, run=lease.run, call=call, tool=tool, seq=step.seq, why=why)
     return Outcome.PARKED
 

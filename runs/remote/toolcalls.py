@@ -478,7 +478,10 @@ def remote_toolcall_dispatch(
     if call.status == ToolCall.Status.AWAITING_APPROVAL:
         return Dispatch(False, call, "the call needs an approval again; the lease is released")
     if call.status == ToolCall.Status.CANCELLED:
-        return Dispatch(False, call, "the precondition changed: the call is cancelled")
+        # the precondition changed, or the current approval policy denies the call: the
+        # failed step's error says which (the agent reads it in its resume packet too)
+        why = Step.objects.filter(id=call.step_id).values_list("error", flat=True).first()
+        return Dispatch(False, call, f"the call is cancelled: {why or 'precondition changed'}")
     return Dispatch(False, call, f"the call is {call.status}")
 
 

@@ -39,6 +39,12 @@ ENDPOINTS = {
     ("/api/v1/approvals/", "get"),
     ("/api/v1/approvals/{approval_id}/", "get"),
     ("/api/v1/approvals/{approval_id}/decision/", "post"),
+    ("/api/v1/policies/", "get"),
+    ("/api/v1/policies/", "post"),
+    ("/api/v1/policies/simulations/", "post"),
+    ("/api/v1/policy-versions/{version_id}/", "get"),
+    ("/api/v1/policy-versions/{version_id}/simulation/", "post"),
+    ("/api/v1/policy-versions/{version_id}/publication/", "post"),
     ("/api/v1/questions/{question_id}/answer/", "post"),
     ("/api/v1/agents/{name}/", "get"),
     ("/api/v1/agents/{name}/", "put"),
@@ -126,6 +132,10 @@ DATA_DEPENDENT_400 = {
     "GET /api/v1/tool-calls/": "validation_error (cursor)",
     # edited arguments must match the tool's own argument schema
     "POST /api/v1/approvals/{approval_id}/decision/": "validation_error",
+    # a policy's rules are validated against the tool's argument schema and the groups
+    # that exist; a simulation's tool must be registered
+    "POST /api/v1/policies/": "validation_error",
+    "POST /api/v1/policies/simulations/": "validation_error",
     # the run must have the step to fork from
     "POST /api/v1/runs/{run_id}/fork/": "validation_error",
     # a top-up must add something, and a new deadline must still be in the future

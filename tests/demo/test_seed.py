@@ -24,7 +24,12 @@ def test_seed_demo_creates_a_sign_in_and_demo_runs_once(capsys):
     sign_in = RequestFactory().post("/accounts/login/")
     demo = authenticate(sign_in, username="demo", password=password)
     assert demo is not None and not demo.is_superuser and not demo.is_staff
-    assert set(demo.groups.values_list("name", flat=True)) == {"operator", "approver", "viewer"}
+    assert set(demo.groups.values_list("name", flat=True)) == {
+        "operator",
+        "approver",
+        "viewer",
+        "admin",
+    }
     assert demo.has_perm("runs.view_run") and demo.has_perm("approvals.decide_approval")
     # a second approver decides what demo starts (nobody approves their own run)
     second = re.search(r"sign-in 'demo-approver' with password (\S+)", out).group(1)
@@ -32,6 +37,11 @@ def test_seed_demo_creates_a_sign_in_and_demo_runs_once(capsys):
     assert set(approver.groups.values_list("name", flat=True)) == {"approver", "viewer"}
     assert approver.has_perm("approvals.decide_approval")
     assert not approver.has_perm("runs.start_run")
+    # a second admin publishes the approval policy demo drafts (separation of duties)
+    second_admin = re.search(r"sign-in 'demo-admin' with password (\S+)", out).group(1)
+    admin = authenticate(sign_in, username="demo-admin", password=second_admin)
+    assert admin.has_perm("approvals.manage_approvalpolicy")
+    assert demo.has_perm("approvals.manage_approvalpolicy")
 
     runs = list(Run.objects.all())
     assert {run.agent_name for run in runs} == {"refund", "followup"}
