@@ -38,6 +38,12 @@ ROLE_PERMISSIONS: dict[str, list[str]] = {
         "runs.view_agentmanifest",
         "runs.view_auditentry",
         "runs.view_alert",
+        # flow control's state (runs.flow) and remote agents' history metadata
+        "runs.view_toollimit",
+        "runs.view_toolcapacity",
+        "runs.view_toolshare",
+        "runs.view_toolwaiter",
+        "runs.view_runmessage",
         "approvals.view_approval",
         "approvals.view_approvaldecision",
         "approvals.view_approvallink",

@@ -58,10 +58,15 @@ from runs.models import (
     QuestionLink,
     Run,
     RunEvent,
+    RunMessage,
     Signal,
     Step,
     ToolCall,
+    ToolCapacity,
+    ToolLimit,
     ToolReceipt,
+    ToolShare,
+    ToolWaiter,
     WebhookDelivery,
     Worker,
 )
@@ -1025,6 +1030,67 @@ class AgentManifestAdmin(ReadOnlyAdmin):
 
     list_display = ["name", "version", "owner", "registered_by", "created_at", "updated_at"]
     exact_search_fields = ("name", "registered_by")
+
+
+@admin.register(RunMessage)
+class RunMessageAdmin(ReadOnlyAdmin):
+    """A remote agent's conversation history (not authoritative, not in the hash chain).
+    The messages themselves are not shown here: they may hold what the agent saw unmasked
+    (only the agent's owner reads them, through the API)."""
+
+    list_display = ["run_column", "seq", "size", "written_by", "incarnation", "created_at"]
+    fields = ["run", "seq", "size", "digest", "written_by", "incarnation", "created_at"]
+    uuid_search_fields = ("run_id",)
+    date_hierarchy = "created_at"
+
+    @admin.display(description="run", ordering="run_id")
+    def run_column(self, obj: RunMessage) -> str:
+        return run_link(obj.run_id)
+
+
+@admin.register(ToolLimit)
+class ToolLimitAdmin(ReadOnlyAdmin):
+    """Operators' limits (set in the console or the API, audited there; docs/agents.md)."""
+
+    list_display = [
+        "tool_name",
+        "max_in_flight",
+        "rate",
+        "per_seconds",
+        "burst",
+        "key_argument",
+        "set_by",
+    ]
+    exact_search_fields = ("tool_name",)
+
+
+@admin.register(ToolCapacity)
+class ToolCapacityAdmin(ReadOnlyAdmin):
+    """Each limited tool's (and key's) rate state, locked by the dispatch transaction."""
+
+    list_display = ["tool_name", "limit_key", "tat", "grants"]
+    exact_search_fields = ("tool_name",)
+
+
+@admin.register(ToolShare)
+class ToolShareAdmin(ReadOnlyAdmin):
+    """Fair sharing: when each principal last got a slot of a limited tool."""
+
+    list_display = ["tool_name", "limit_key", "share", "last_grant"]
+    exact_search_fields = ("tool_name", "share")
+
+
+@admin.register(ToolWaiter)
+class ToolWaiterAdmin(ReadOnlyAdmin):
+    """Runs waiting for capacity on a limited tool, and since when."""
+
+    list_display = ["run_column", "tool_name", "limit_key", "share", "since"]
+    exact_search_fields = ("tool_name",)
+    uuid_search_fields = ("run_id",)
+
+    @admin.display(description="run", ordering="run_id")
+    def run_column(self, obj: ToolWaiter) -> str:
+        return run_link(obj.run_id)
 
 
 @admin.register(Alert)

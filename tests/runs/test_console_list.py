@@ -697,7 +697,7 @@ def test_past_the_exact_size_ended_runs_are_counted_once_a_minute_and_live_ones_
 
     from runs import selectors
 
-    monkeypatch.setattr(selectors, "EXACT_COUNTS_UP_TO", -1)  # as if the table were huge
+    monkeypatch.setattr(selectors, "_runs_estimate", lambda: 10**6)  # as if the table were huge
     cache = LocMemCache("ended-run-counts-test", {})
     monkeypatch.setattr(selectors, "cache", cache)
     before = selectors.run_status_counts()  # counts the ended runs, keeps them a minute
