@@ -93,8 +93,7 @@ class Checkpoint:
     @property
     def run(self) -> Run:
         """The run's row, locked: a body that has only collected so far locks it first."""
-        if self.lock_first is not None:
-            self.lock_first()
+        self.lock()
         return self.known
 
     def lock(self) -> None:
@@ -166,8 +165,7 @@ class Checkpoint:
         if not self.flushing:
             self.flushing = True
             try:
-                if self.lock_first is not None:
-                    self.lock_first()
+                self.lock()
                 if self.inserts or self.row_updates:
                     backend = rows.backend()
                     write_rows(self, backend.insert, backend.update)
