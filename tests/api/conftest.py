@@ -78,14 +78,16 @@ def api_agents(register):
 
     def pay_decide(ctx):
         if not ctx.steps:
-            return CallTool("api_pay", {"amount_cents": ctx.input["amount_cents"], "card": "4242"})
+            return CallTool(
+                "api_pay", {"amount_cents": ctx.input["amount_cents"], "card": "4242-4242-SECRET"}
+            )
         return Finish({"paid": ctx.last_step.status})
 
     def read_then_pay_decide(ctx):
         if not ctx.steps:
             return CallTool("api_read", {})
         if len(ctx.steps) == 1:
-            return CallTool("api_pay", {"amount_cents": 7, "card": "4242"})
+            return CallTool("api_pay", {"amount_cents": 7, "card": "4242-4242-SECRET"})
         return Finish({"paid": ctx.last_step.status})
 
     def send_decide(ctx):

@@ -277,7 +277,7 @@ def test_events_paginate_by_seq(as_viewer, waiting_run):
 def test_events_mask_sensitive_arguments(as_viewer, waiting_run):
     events = as_viewer.get(f"/api/v1/runs/{waiting_run.id}/events/").json()["results"]
 
-    assert "4242" not in str(events)
+    assert "4242-4242-SECRET" not in str(events)
     assert "***" in str(events)
 
 

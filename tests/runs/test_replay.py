@@ -55,7 +55,7 @@ def refunder(register):
 
     def decide(ctx):
         if not ctx.steps:
-            return CallTool("replay_refund", {"amount": plan["amount"], "card": "4242"})
+            return CallTool("replay_refund", {"amount": plan["amount"], "card": "4242-4242-SECRET"})
         return Finish({"refunded": ctx.state.get("refunded")})
 
     agent = ScriptedAgent("replayed", decide, tools=("replay_refund",))
@@ -76,7 +76,7 @@ def test_replay_after_an_agent_change_reports_the_divergence(refunder, system_ac
 
     assert code == 3
     assert "step 1: DIVERGED: would call replay_refund with amount 40 instead of 50" in output
-    assert "4242" not in output  # sensitive arguments stay masked
+    assert "4242-4242-SECRET" not in output  # sensitive arguments stay masked
     assert "step 2: same: finish" in output  # state folded from the recorded outcome
     assert len(body.calls) == 1
 

@@ -167,7 +167,9 @@ def test_step_bad_input(run, leased):
 
 
 def test_small_refund_goes_through_dispatch_receipt_and_finish(run, leased):
-    proposed = leased.propose("refund", {"order_id": "ord_1", "amount_cents": 500, "card": "4242"})
+    proposed = leased.propose(
+        "refund", {"order_id": "ord_1", "amount_cents": 500, "card": "4242-4242-SECRET"}
+    )
     assert proposed.status_code == 201, proposed.content
     body = proposed.json()
     assert body["decision"] == "approved" and body["approval"] is None
@@ -180,7 +182,7 @@ def test_small_refund_goes_through_dispatch_receipt_and_finish(run, leased):
     assert dispatched.status_code == 200, dispatched.content
     assert dispatched.json()["go"] is True
     assert dispatched.json()["idempotency_key"] == f"{run.id}:1"
-    assert dispatched.json()["arguments"]["card"] == "4242"
+    assert dispatched.json()["arguments"]["card"] == "4242-4242-SECRET"
     assert ToolCall.objects.get(id=call["id"]).status == "dispatching"
     # a retried dispatch request is answered the same, not counted twice
     assert leased.dispatch(call["id"]).json()["attempt"] == 1
@@ -470,14 +472,16 @@ def test_fenced_endpoints_on_missing_objects(template, leased):
 def test_console_shows_a_remote_run(run, leased, client, operator):
     """The console's run page and list work for a remote agent's run (the registry resolves
     its manifest like a hosted agent)."""
-    call = leased.propose("refund", {"order_id": "o", "amount_cents": 5, "card": "4242"})
+    call = leased.propose(
+        "refund", {"order_id": "o", "amount_cents": 5, "card": "4242-4242-SECRET"}
+    )
     leased.dispatch(call.json()["tool_call"]["id"])
     client.force_login(operator)
 
     page = client.get(f"/runs/{run.id}/")
     assert page.status_code == 200
     html = page.content.decode()
-    assert "pay_bot/refund" in html and "4242" not in html
+    assert "pay_bot/refund" in html and "4242-4242-SECRET" not in html
     assert client.get("/runs/").status_code == 200
 
 
