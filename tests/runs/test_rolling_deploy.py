@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from django.db import transaction
 from django.db.models.functions import Now
 
 from runs.models import Run, Worker
@@ -26,9 +27,12 @@ def release_1(register):
 
 
 def _started_on_release_2(system_actor) -> Run:
-    """A run created by the new release's web process: its agent version is 2."""
-    run = run_create(agent_name="rolling", actor=system_actor)
-    Run.objects.filter(id=run.id).update(agent_version="2")
+    """A run created by the new release's web process: its agent version is 2. One
+    transaction, so no worker sees (and claims) it before it is version 2 — the wake-up is
+    enqueued at the commit."""
+    with transaction.atomic():
+        run = run_create(agent_name="rolling", actor=system_actor)
+        Run.objects.filter(id=run.id).update(agent_version="2")
     return run
 
 
