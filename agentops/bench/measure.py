@@ -231,6 +231,120 @@ def throughput(ctx: Context, *, agent: str, workers: int, runs: int, steps: int)
     }
 
 
+def _proc_stat_cpu() -> list[int] | None:
+    """The machine's CPU time counters (``/proc/stat``'s ``cpu`` line): user nice system idle
+    iowait irq softirq steal …; None where there is no /proc."""
+    try:
+        with open("/proc/stat") as stat:
+            fields = stat.readline().split()
+    except OSError:
+        return None
+    return [int(value) for value in fields[1:9]] if fields and fields[0] == "cpu" else None
+
+
+class MachineSample:
+    """The machine over a stretch of the benchmark: the load average at its start and end,
+    and the share of CPU time that was busy and that the hypervisor stole (``steal``: time a
+    virtual CPU waited for a physical one — a noisy neighbour)."""
+
+    def __init__(self) -> None:
+        self.load_start = os.getloadavg()[0]
+        self.cpu_start = _proc_stat_cpu()
+
+    def end(self) -> dict:
+        result: dict[str, Any] = {
+            "load_start": round(self.load_start, 2),
+            "load_end": round(os.getloadavg()[0], 2),
+        }
+        cpu_end = _proc_stat_cpu()
+        if self.cpu_start and cpu_end:
+            delta = [b - a for a, b in zip(self.cpu_start, cpu_end, strict=True)]
+            total = sum(delta) or 1
+            idle = delta[3] + delta[4]
+            result["cpu_busy_pct"] = round(100 * (total - idle) / total, 1)
+            result["steal_pct"] = round(100 * delta[7] / total, 2)
+        return result
+
+
+def median(values: list[float]) -> float | None:
+    """The median of the values that were measured (None when none was)."""
+    present = sorted(v for v in values if v is not None)
+    if not present:
+        return None
+    middle = len(present) // 2
+    return present[middle] if len(present) % 2 else (present[middle - 1] + present[middle]) / 2
+
+
+def spread(values: list[float | None], digits: int = 3) -> dict | None:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    return {
+        "median": rounded(median(present), digits),
+        "min": rounded(min(present), digits),
+        "max": rounded(max(present), digits),
+    }
+
+
+def throughput_summary(agent: str, rounds: list[dict]) -> dict:
+    """One tool at one concurrency over the interleaved rounds: the medians (what the table
+    and the targets read), each ratio's range, and every round with its machine sample."""
+    per_round = []
+    for r in rounds:
+        row = r["rows"][agent]
+        peer = r["dbos"] or {}
+        limit = r["limit"]["commits_per_s"]
+        ours = row["steps_per_s"]
+        theirs = peer.get("steps_per_s")
+        per_round.append(
+            {
+                "round": r["round"],
+                "steps_per_s": ours,
+                "insert_commit_per_s": limit,
+                "ratio_to_limit": round(ours / limit, 3) if ours and limit else None,
+                "dbos_steps_per_s": theirs,
+                "ratio_to_dbos": round(ours / theirs, 3) if ours and theirs else None,
+                "commits_per_step": row["commits_per_step"],
+                "worker_cpu_ms_per_step": row["worker_cpu_ms_per_step"],
+                "succeeded": row["succeeded"],
+                **r["machine"],
+            }
+        )
+    first = rounds[0]["rows"][agent]
+
+    def med(key: str, digits: int = 1) -> float | None:
+        return rounded(median([p[key] for p in per_round]), digits)
+
+    summary = {
+        "agent": agent,
+        "workers": first["workers"],
+        "task_processes_per_worker": first["task_processes_per_worker"],
+        "runs": first["runs"],
+        "steps_per_run": first["steps_per_run"],
+        "rounds_measured": len(per_round),
+        "succeeded": min(p["succeeded"] for p in per_round),
+        "finished": min(r["rows"][agent]["finished"] for r in rounds),
+        "steps_per_s": med("steps_per_s"),
+        "insert_commit_per_s": med("insert_commit_per_s"),
+        "ratio_to_limit": med("ratio_to_limit", 3),
+        "ratio_to_limit_range": spread([p["ratio_to_limit"] for p in per_round]),
+        "commits_per_step": med("commits_per_step", 2),
+        "worker_cpu_ms_per_step": med("worker_cpu_ms_per_step", 2),
+        "rounds": per_round,
+    }
+    peers = [r["dbos"] for r in rounds if r["dbos"]]
+    measured = [p for p in peers if p.get("steps_per_s")]
+    if measured:
+        summary["dbos"] = {
+            key: rounded(median([p.get(key) for p in measured]), 2)
+            for key in ("steps_per_s", "worker_cpu_ms_per_step", "postgres_cpu_ms_per_step")
+        }
+        summary["ratio_to_dbos"] = spread([p["ratio_to_dbos"] for p in per_round])
+    elif peers:
+        summary["dbos"] = peers[0]  # {"skipped": why}
+    return summary
+
+
 def table_writes(settings_dict: dict[str, Any]) -> dict:
     """PostgreSQL's per-table write counters over the whole benchmark: how many updates
     were HOT (no index touched) is where the database's CPU per step goes."""

@@ -136,6 +136,8 @@ def test_quick_worker_sections_measure_real_workers(tmp_path, roles):
         "2",
         "--limit-seconds",
         "0.2",
+        "--rounds",
+        "2",
         "--output",
         str(output),
         stdout=io.StringIO(),
@@ -154,6 +156,14 @@ def test_quick_worker_sections_measure_real_workers(tmp_path, roles):
         assert row["steps_per_s"] > 0 and row["insert_commit_per_s"] > 0
         # worker CPU comes from /proc in clock ticks (10 ms): a tiny run may read 0
         assert row["commits_per_step"] > 0 and row["worker_cpu_ms_per_step"] >= 0
+        # issue 24: each figure is the median of interleaved rounds, each round kept with
+        # the machine's load and CPU steal beside it
+        assert row["rounds_measured"] == 2 and [r["round"] for r in row["rounds"]] == [1, 2]
+        limits = row["ratio_to_limit_range"]
+        assert limits["min"] <= row["ratio_to_limit"] <= limits["max"]
+        for sample in row["rounds"]:
+            assert sample["succeeded"] == 3 and sample["load_start"] >= 0
+            assert 0 <= sample["steal_pct"] <= 100 and 0 <= sample["cpu_busy_pct"] <= 100
     approval = report["results"]["approval"]
     assert approval["dispatched"] == 2 and approval["ms_p50"] > 0
     verdicts = {check["target"]: check["holds"] for check in report["targets"]}
@@ -200,3 +210,43 @@ def test_the_scale_section_fills_chains_audit_verify_accepts_and_reports_each_re
     assert scale["sweeper"]["queries"] > 0 and scale["claim"]["ratio_p50"] > 0
     assert scale["prune"]["batch"] > 0
     assert set(scale["targets"]) >= {"pages_ok", "sweeper_ok", "claim_ok", "plans_ok"}
+
+
+def test_interleaved_rounds_report_the_median_ratio_and_its_range():
+    """Issue 24 item 6: one noisy round does not decide the figure — the median of the
+    rounds' ratios does, and the range shows how far the machine moved them."""
+    from agentops.bench.measure import throughput_summary
+
+    def round_(number, ours, theirs, limit, steal):
+        row = {
+            "agent": agents.READ_AGENT,
+            "workers": 2,
+            "task_processes_per_worker": 1,
+            "runs": 10,
+            "steps_per_run": 10,
+            "succeeded": 10,
+            "finished": 10,
+            "steps_per_s": ours,
+            "commits_per_step": 1.5,
+            "worker_cpu_ms_per_step": 2.0,
+        }
+        return {
+            "round": number,
+            "limit": {"commits_per_s": limit},
+            "dbos": {"steps_per_s": theirs},
+            "rows": {agents.READ_AGENT: row},
+            "machine": {"load_start": 0.5, "load_end": 2.0, "steal_pct": steal},
+        }
+
+    summary = throughput_summary(
+        agents.READ_AGENT,
+        [
+            round_(1, 600, 250, 3000, 0.0),
+            round_(2, 300, 300, 2000, 9.5),
+            round_(3, 550, 250, 3000, 0.1),
+        ],
+    )
+    assert summary["ratio_to_dbos"] == {"median": 2.2, "min": 1.0, "max": 2.4}
+    assert summary["steps_per_s"] == 550 and summary["dbos"]["steps_per_s"] == 250
+    assert summary["ratio_to_limit_range"] == {"median": 0.183, "min": 0.15, "max": 0.2}
+    assert [r["steal_pct"] for r in summary["rounds"]] == [0.0, 9.5, 0.1]
