@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 from typing import Any
 
+from django.conf import settings
+from django.db import transaction
 from django.db.models import Q
 from django.db.models.functions import Now
+from django.db.models.signals import post_save
+from django.dispatch import receiver
 
 from approvals import policies
 from approvals.models import Approval, ApprovalDecision, ApprovalPolicyVersion
@@ -41,6 +46,43 @@ def current_version(
             [-ord(c) for c in v.policy.principal_group],
         ),
     )
+
+
+class PublishedTools:
+    """Which tools have a published data policy, as this process last read it (one query
+    for all of them, again once ``POLICY_REFRESH_SECONDS`` have passed). A call of a tool
+    that has none is decided by its code policy with no query — the hot path of every step
+    (docs/benchmarks.md: one statement per read step). A publish or withdrawal in this
+    process clears it at its commit; in another process it is seen within the interval."""
+
+    def __init__(self) -> None:
+        self._tools: frozenset[str] | None = None
+        self._read_at = 0.0
+
+    def any_for(self, tool_name: str) -> bool:
+        refresh = settings.AGENTOPS["POLICY_REFRESH_SECONDS"]
+        now = time.monotonic()
+        tools = self._tools
+        if tools is None or refresh <= 0 or now - self._read_at >= refresh:
+            tools = frozenset(
+                ApprovalPolicyVersion.objects.filter(
+                    status=ApprovalPolicyVersion.Status.PUBLISHED
+                ).values_list("policy__tool_name", flat=True)
+            )
+            self._tools, self._read_at = tools, now
+        return tool_name in tools
+
+    def clear(self) -> None:
+        self._tools = None
+
+
+published_tools = PublishedTools()
+
+
+@receiver(post_save, sender=ApprovalPolicyVersion)
+def _policy_version_saved(sender: Any, **kwargs: Any) -> None:
+    # published, superseded or withdrawn here: this process reads them again after the commit
+    transaction.on_commit(published_tools.clear)
 
 
 def verdict_of(
@@ -148,6 +190,8 @@ def approval_create(
 
 class ApprovalsGate:
     def assess(self, *, run, tool, arguments, facts) -> Verdict:
+        if not published_tools.any_for(tool.name):
+            return code_verdict(tool, arguments)
         version = current_version(
             tool.name, agent=facts.get("agent", ""), groups=facts.get("groups", ())
         )
@@ -182,6 +226,22 @@ class ApprovalsGate:
         )
 
     def consume(self, *, cp, call, tool, verdict=None) -> None:
+        # the data policy in force now, read afresh in this transaction rather than from
+        # what this process last read (``published_tools``): an approval is always checked
+        # against the version current at its use
+        facts = recorded_facts(cp.run, call)
+        version = current_version(
+            tool.name, agent=facts.get("agent", ""), groups=facts.get("groups", ())
+        )
+        if version is not None:
+            verdict = verdict_of(
+                version, tool_name=tool.name, arguments=call.arguments, facts=facts
+            )
+            if verdict.denied:
+                raise GateRefused(
+                    f"the current policy (version {version.number}) denies this call",
+                    reason="policy_changed",
+                )
         if verdict is not None and verdict.needs_approval and verdict.requirement is not None:
             # the current data policy, re-evaluated in this transaction: an approval given
             # under a looser one (fewer approvers, another group) is withdrawn and asked

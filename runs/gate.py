@@ -7,6 +7,7 @@ refused (the engine fails the step) rather than dispatched unapproved.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -61,15 +62,14 @@ def policy_facts(run: Run) -> dict[str, Any]:
     """What a policy may read of a call besides its arguments, as of now: the principal and
     its groups, the agent, the run's spend so far and the time. Recorded on the call
     (``ToolCall.policy_input``) when it is decided, so a policy is re-evaluated — at the
-    dispatch, or in a simulation — on what was true then."""
+    dispatch, or in a simulation — on what was true then. The principal's name and groups
+    come from what this process read of them within ``POLICY_REFRESH_SECONDS``: no query
+    on a step's path."""
     from django.utils import timezone
 
-    principal = run.principal if run.principal_id is not None else None
-    groups = (
-        sorted(principal.groups.values_list("name", flat=True)) if principal is not None else []
-    )
+    username, groups = principal_facts(run.principal_id)
     return {
-        "principal": principal.get_username() if principal is not None else "",
+        "principal": username,
         "groups": groups,
         "agent": run.agent_name,
         "spend": str(run.cost_used),
@@ -77,6 +77,38 @@ def policy_facts(run: Run) -> dict[str, Any]:
         # deadline (and no query on the decision's path)
         "at": timezone.now().isoformat(),
     }
+
+
+# principal id -> (when read, username, sorted group names)
+_principals: dict[Any, tuple[float, str, list[str]]] = {}
+
+
+def principal_facts(principal_id: Any) -> tuple[str, list[str]]:
+    """A principal's username and group names ("" and [] for none), as read within the
+    last ``POLICY_REFRESH_SECONDS``: a change of groups applies to decisions within that
+    interval (at once with 0)."""
+    if principal_id is None:
+        return "", []
+    from django.conf import settings
+    from django.contrib.auth import get_user_model
+    from django.contrib.auth.models import Group
+
+    refresh = settings.AGENTOPS["POLICY_REFRESH_SECONDS"]
+    now = time.monotonic()
+    known = _principals.get(principal_id)
+    if known is not None and refresh > 0 and now - known[0] < refresh:
+        return known[1], list(known[2])
+    user_model = get_user_model()
+    username = (
+        user_model.objects.filter(pk=principal_id)
+        .values_list(user_model.USERNAME_FIELD, flat=True)
+        .first()
+    ) or ""
+    groups = sorted(Group.objects.filter(user__pk=principal_id).values_list("name", flat=True))
+    if len(_principals) > 10_000:
+        _principals.clear()  # bounded: a process serving many principals reads them again
+    _principals[principal_id] = (now, username, groups)
+    return username, list(groups)
 
 
 @dataclass(frozen=True)
