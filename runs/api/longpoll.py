@@ -53,7 +53,7 @@ class LongPollsBusy(DomainError):
 
     def __init__(self) -> None:
         super().__init__(
-            "This server process holds as many long polls as it may; nothing was read. "
+            "This server process holds as many long polls as it may; nothing was held. "
             "Read again after retry_after seconds (or without wait)."
         )
 

@@ -21,7 +21,7 @@ SECRET_ORDER = {"order_id": "ord_secret_1004"}
 
 
 @pytest.fixture
-def recorded(robot):
+def recorded(robot, sandbox):
     token, _ = api_token_create(name="mcp", principal=robot, actor=Actor.system("cli"))
     call = services.gateway_call_record(
         token=token,

@@ -10,7 +10,9 @@ import anyio
 import httpx
 import mcp_types as types
 import pytest
+from asgiref.sync import sync_to_async
 from django.core.cache import caches
+from django.db import connections
 
 from agentops.mcp import server, services
 from agentops.mcp.models import GatewayCall
@@ -42,7 +44,10 @@ def _post(address: str, token: str | None = None) -> httpx.Response:
         transport = httpx.ASGITransport(app=server.TokenRequired(_inner), client=(address, 5000))
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
-            return await http.post("/mcp/", json={}, headers=headers)
+            answer = await http.post("/mcp/", json={}, headers=headers)
+        # the gateway's database thread closes its connection (the test database is dropped)
+        await sync_to_async(connections.close_all, thread_sensitive=True)()
+        return answer
 
     return anyio.run(main)
 
