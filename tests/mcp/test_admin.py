@@ -17,7 +17,7 @@ from tests.conftest import drive
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("roles")]
 
-SECRET_ORDER = {"order_id": "ord_secret_1004"}
+SECRET_ORDER = {"order_id": "ord_80808080808"}  # no timestamp or id contains it
 
 
 @pytest.fixture
