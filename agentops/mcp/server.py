@@ -23,6 +23,7 @@ import mcp_types as types
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
+from django.http.request import HttpHeaders
 from mcp.server.lowlevel import Server
 from mcp.server.transport_security import TransportSecuritySettings
 
@@ -216,8 +217,9 @@ def _authenticate(raw: str) -> tuple[ApiToken | None, bool]:
 
 
 class _AddressOnly:
-    """What DRF's throttle reads of a request (``get_ident``): the connection's address and
-    ``X-Forwarded-For``, which counts only when ``NUM_PROXIES`` says proxies set it."""
+    """What DRF's throttle reads of a request (``get_ident``: ``META`` and ``headers``): the
+    connection's address and ``X-Forwarded-For``, which counts only when ``NUM_PROXIES``
+    says proxies set it."""
 
     def __init__(self, scope: Any) -> None:
         client = scope.get("client") or ("", 0)
@@ -225,6 +227,7 @@ class _AddressOnly:
         forwarded = dict(scope.get("headers") or []).get(b"x-forwarded-for")
         if forwarded is not None:
             self.META["HTTP_X_FORWARDED_FOR"] = forwarded.decode("latin-1")
+        self.headers = HttpHeaders(self.META)
 
 
 def _count_unauthenticated(scope: Any) -> float | None:
