@@ -428,6 +428,11 @@ AGENTOPS = {
     # long polls (?wait=N on a run or an approval) held at once per API token in one web
     # process; more are answered at once (runs.api.longpoll)
     "LONG_POLLS_PER_TOKEN": env_int("AGENTOPS_LONG_POLLS_PER_TOKEN", 2),
+    # ... and of all tokens together: past that a long poll is refused (429 long_polls_busy),
+    # so waiting clients leave the other half of a process's threads to everyone else
+    "LONG_POLLS_PER_PROCESS": env_int(
+        "AGENTOPS_LONG_POLLS_PER_PROCESS", max(1, env_int("GUNICORN_THREADS", 4) // 2)
+    ),
     # DESIGN §9: a dispatched request may leave only within this many seconds of its
     # ``dispatching`` commit (and never after that commit's lease expiry): its send deadline
     "SEND_WINDOW": env_float("AGENTOPS_SEND_WINDOW", 2.0),
@@ -547,6 +552,9 @@ AGENTOPS_MCP = {
     # policy (JSON, docs/mcp.md; checked when the apps load); every process must be started
     # with the same value
     "UPSTREAMS": env_str("AGENTOPS_MCP_UPSTREAMS", ""),
+    # tools/call requests one gateway process holds at once; past that a call is refused
+    # before anything is recorded (gateway_busy, retry_after): each is a connection and a poll
+    "MAX_HELD": env_int("AGENTOPS_MCP_MAX_HELD", 200),
 }
 if AGENTOPS_MCP["HOLD_SECONDS"] <= 0 or AGENTOPS_MCP["HOLD_SECONDS"] > 55:
     raise ImproperlyConfigured("AGENTOPS_MCP_HOLD_SECONDS must be more than 0 and at most 55")

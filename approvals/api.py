@@ -151,7 +151,10 @@ class ApprovalDetailApi(APIView):
         description="`?wait=N` (at most 30): while the approval is pending, the answer is held "
         "until its status changes or N seconds passed (runs.api.longpoll).",
         parameters=[longpoll.WaitQuerySerializer],
-        responses={200: ApprovalSerializer, **errors("validation_error", "not_found")},
+        responses={
+            200: ApprovalSerializer,
+            **errors("validation_error", "not_found", "long_polls_busy"),
+        },
     )
     def get(self, request, approval_id):
         seconds = longpoll.wait_seconds(request)

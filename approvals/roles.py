@@ -44,6 +44,9 @@ ROLE_PERMISSIONS: dict[str, list[str]] = {
         "runs.view_toolshare",
         "runs.view_toolwaiter",
         "runs.view_runmessage",
+        # the MCP gateway's map of client keys to calls, and sessions to runs (agentops.mcp)
+        "mcp.view_gatewaysession",
+        "mcp.view_gatewaycall",
         "approvals.view_approval",
         "approvals.view_approvaldecision",
         "approvals.view_approvallink",

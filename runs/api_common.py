@@ -166,7 +166,8 @@ def exception_handler(exc: Exception, context: dict) -> Response | None:
     response = Response(body, status=STATUS_BY_CODE[code])
     if isinstance(exc, exceptions.Throttled) and exc.wait is not None:
         response["Retry-After"] = str(int(exc.wait) + 1)
-    if code == "at_capacity":
+    if STATUS_BY_CODE[code] == 429 and "retry_after" in body:
+        # at_capacity, long_polls_busy: the field, and the header HTTP clients know
         response["Retry-After"] = str(int(body.get("retry_after", 0)) + 1)
     if code == "not_authenticated":
         request = context.get("request")

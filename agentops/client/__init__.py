@@ -83,6 +83,8 @@ __all__ = [
 
 # the server holds a long poll (?wait=) at most this long
 LONG_POLL_MAX = 30
+# a long poll answered sooner than this while the run is still parked was not held (capped)
+LONG_POLL_MIN_HOLD = 1.0
 # a run waiting for a person or an event (what wait_for_run waits to see end)
 PARKED = ("waiting_approval", "waiting_event", "needs_attention", "paused")
 
@@ -121,6 +123,14 @@ class ApiError(Exception):
 
 class ValidationError(ApiError):
     pass
+
+
+def _retry_after(exc: ApiError, default: float = 1.0) -> float:
+    """When to try again after a 429: its ``retry_after`` field, else ``default``."""
+    try:
+        return max(float(exc.body.get("retry_after", default)), 0.05)
+    except (TypeError, ValueError):
+        return default
 
 
 class NotFound(ApiError):
@@ -244,6 +254,8 @@ _ERRORS: dict[str, type[ApiError]] = {
     "lease_not_yours": LeaseNotYours,
     "budget_exhausted": BudgetExhausted,
     "throttled": Throttled,
+    # a server process holding all the long polls it may: read again after retry_after
+    "long_polls_busy": Throttled,
 }
 
 
@@ -764,9 +776,23 @@ class Client:
         the run as last read. No webhook receiver needed, one request slot held at a time."""
         deadline = time.monotonic() + timeout
         while True:
-            run = self.get_run(run_id, wait=min(LONG_POLL_MAX, max(deadline - time.monotonic(), 0)))
+            started = time.monotonic()
+            left = max(deadline - started, 0)
+            try:
+                run = self.get_run(run_id, wait=min(LONG_POLL_MAX, left))
+            except Throttled as exc:
+                # the server holds all the long polls it may (long_polls_busy) or this
+                # client asked too often: wait as told, then read again
+                time.sleep(min(_retry_after(exc), max(deadline - time.monotonic(), 0)))
+                if time.monotonic() >= deadline:
+                    return self.get_run(run_id)
+                continue
             if run["status"] not in parked or time.monotonic() >= deadline:
                 return run
+            if time.monotonic() - started < LONG_POLL_MIN_HOLD:
+                # answered at once while still parked (this token's long polls are capped):
+                # never a busy loop of reads
+                time.sleep(min(LONG_POLL_MIN_HOLD, max(deadline - time.monotonic(), 0)))
 
     def get_approval(self, approval_id: int, *, wait: float | None = None) -> dict[str, Any]:
         """An approval (for principals that may read approvals). ``wait`` (at most 30): while

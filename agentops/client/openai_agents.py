@@ -21,8 +21,9 @@ the next process resumes. The tool body runs with the dispatch / pre-send check 
 protocol; after a crash an unknown outcome is looked up by key (``lookup``), never blindly
 sent again.
 
-The model's responses that call tools are checkpointed in the run's state before the calls
-are acted on; a new process runs the agent again on the same input and each recorded
+The model's responses that call tools are checkpointed before the calls are acted on (each
+appended to the run's history store, the checkpoint step naming it; the run's state is left
+alone); a new process runs the agent again on the same input and each recorded
 response is replayed instead of asking the model again, so the same decisions are acted on
 and each call matches the one the run recorded. Only ``Runner.run`` (not streaming), and
 the agent passed in (a handoff's agent asks its own model unrecorded).
@@ -76,7 +77,9 @@ __all__ = [
     "run_agent",
 ]
 
-STATE_KEY = "openai_agents"  # where the run's state keeps the recorded model responses
+# where an older version of this adapter kept the recorded model responses (the run's
+# state): still read, so that a run it checkpointed resumes
+STATE_KEY = "openai_agents"
 
 _session: ContextVar[_Session | None] = ContextVar("agentops_openai_agents", default=None)
 _output_items: TypeAdapter[list[TResponseOutputItem]] = TypeAdapter(list[TResponseOutputItem])
@@ -85,7 +88,8 @@ _output_items: TypeAdapter[list[TResponseOutputItem]] = TypeAdapter(list[TRespon
 @dataclass
 class _Session:
     router: CallRouter
-    state: dict[str, Any]
+    # the tool-calling model responses, in order: {"output": the response's items, "seq":
+    # its checkpoint step}
     recorded: list[dict[str, Any]]
     turn: int = 0
     admitted: dict[str, Routed | Admitted] = field(default_factory=dict)
@@ -190,7 +194,7 @@ class RunParked(Exception):
 
 
 class _Recorded(Model):
-    """The agent's model, its tool-calling responses checkpointed in the run's state and
+    """The agent's model, its tool-calling responses checkpointed (the history store) and
     replayed, in order, to a process that resumes the run."""
 
     def __init__(self, model: Model, session: _Session) -> None:
@@ -210,14 +214,17 @@ class _Recorded(Model):
         if calls:
             dumped = _output_items.dump_python(response.output, mode="json", exclude_none=True)
 
-            def state_at(seq: int) -> dict[str, Any]:
-                recorded = [*session.recorded, {"output": dumped, "seq": seq}]
-                session.state = {**session.state, STATE_KEY: {"responses": recorded}}
-                return session.state
+            recorded: list[dict[str, Any]] = []
+
+            def responses_at(seq: int) -> list[dict[str, Any]]:
+                recorded[:] = [*session.recorded, {"output": dumped, "seq": seq}]
+                return recorded
 
             decided = [{"id": c.call_id, "tool": c.name, "arguments": c.arguments} for c in calls]
-            await asyncio.to_thread(session.router.checkpoint, state_at, {"tool_calls": decided})
-            session.recorded = session.state[STATE_KEY]["responses"]
+            await asyncio.to_thread(
+                session.router.checkpoint, responses_at, {"tool_calls": decided}
+            )
+            session.recorded = recorded
             session.turn = len(session.recorded)
         return response
 
@@ -246,9 +253,13 @@ def run_agent(
     exit, and run this again when the ``approval.decided`` webhook arrives. ``LeaseLost``
     propagates: stop. ``OutcomeUndecided`` (lookups could not tell whether a call acted)
     propagates too: the call stays unknown for a person to see."""
-    state = dict(run.resume.state)
-    recorded = list((state.get(STATE_KEY) or {}).get("responses") or [])
-    session = _Session(CallRouter(run), state, recorded)
+    router = CallRouter(run)
+    saved = router.last_checkpoint()
+    if saved is not None:
+        recorded = saved[1]
+    else:  # checkpointed in the state by an older version, or none yet
+        recorded = list((run.resume.state.get(STATE_KEY) or {}).get("responses") or [])
+    session = _Session(router, recorded)
     token = _session.set(session)
     try:
         durable = agent.clone(model=_Recorded(_model_of(agent), session))

@@ -20,9 +20,10 @@ the process exits; the next process, once a person decided, resumes it — and e
 the dispatch / pre-send check / receipt protocol; after a crash an unknown outcome is looked
 up by key (``lookups``), never blindly sent again.
 
-The message history is checkpointed in the run's state before a model response's routed
-calls are acted on, so a new process resumes from that response: the model is not asked
-again for a decision already acted on (docs/remote-agents.md, "Framework adapters").
+The message history is checkpointed before a model response's routed calls are acted on —
+its new messages appended to the run's history store, the checkpoint step naming them — so a
+new process resumes from that response: the model is not asked again for a decision already
+acted on (docs/remote-agents.md, "Framework adapters"). The run's state is left alone.
 
 Needs ``pydantic-ai-slim`` (the ``frameworks`` extra); imports no Django.
 """
@@ -68,7 +69,9 @@ __all__ = [
     "run_agent",
 ]
 
-STATE_KEY = "pydantic_ai"  # where the run's state keeps the checkpointed message history
+# where an older version of this adapter kept the message history (the run's state): still
+# read, so that a run it checkpointed resumes
+STATE_KEY = "pydantic_ai"
 
 _session: ContextVar[_Session | None] = ContextVar("agentops_pydantic_ai", default=None)
 
@@ -76,7 +79,6 @@ _session: ContextVar[_Session | None] = ContextVar("agentops_pydantic_ai", defau
 @dataclass
 class _Session:
     router: CallRouter
-    state: dict[str, Any]
     checkpointed: str = ""  # the key of the model response last checkpointed
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -153,7 +155,8 @@ class AgentopsToolset(WrapperToolset[Any]):
 
     async def _checkpoint(self, session: _Session, ctx: RunContext[Any]) -> None:
         """Before the first routed call of a model response: the history up to that
-        response, in the run's state (``decided``). Once per response."""
+        response, its new messages appended to the run's history store and named by the
+        ``decided`` step. Once per response."""
         messages = list(ctx.messages)
         last = max(
             (i for i, m in enumerate(messages) if isinstance(m, ModelResponse)), default=None
@@ -170,12 +173,9 @@ class AgentopsToolset(WrapperToolset[Any]):
                 {"id": part.tool_call_id, "tool": part.tool_name, "arguments": part.args_as_dict()}
                 for part in history[-1].tool_calls
             ]
-
-            def state_at(seq: int) -> dict[str, Any]:
-                session.state = {**session.state, STATE_KEY: {"messages": dumped, "seq": seq}}
-                return session.state
-
-            await asyncio.to_thread(session.router.checkpoint, state_at, {"tool_calls": calls})
+            await asyncio.to_thread(
+                session.router.checkpoint, lambda seq: dumped, {"tool_calls": calls}
+            )
             session.checkpointed = key
 
 
@@ -195,13 +195,16 @@ def run_agent(
     arrives. ``LeaseLost`` propagates: stop. ``OutcomeUndecided`` (lookups could not tell
     whether a call acted) propagates too: the call stays unknown for a person to see."""
     router = CallRouter(run)
-    state = dict(run.resume.state)
-    saved = state.get(STATE_KEY)
+    session = _Session(router)
+    saved = router.last_checkpoint()
+    if saved is None and run.resume.state.get(STATE_KEY):
+        legacy = run.resume.state[STATE_KEY]  # checkpointed by an older version
+        saved = (legacy["seq"], legacy["messages"])
     history = None
-    session = _Session(router, state)
-    if saved:
-        history = ModelMessagesTypeAdapter.validate_python(saved["messages"])
-        router.resume_from(saved["seq"])
+    if saved is not None:
+        seq, messages = saved
+        history = ModelMessagesTypeAdapter.validate_python(messages)
+        router.resume_from(seq)
         session.checkpointed = _response_key(history)
         prompt = None
     output_type = kwargs.pop("output_type", agent.output_type)

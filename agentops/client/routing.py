@@ -12,6 +12,12 @@ those recorded after the checkpoint of the model response that made it (``window
 each adopted at most once per process. A completed one answers with its recorded result, an
 open one is dispatched or reconciled, never proposed a second time.
 
+What the framework needs to resume with the same decision (its message history, its recorded
+model responses) is kept in the run's conversation history store, not in the run's state:
+each checkpoint appends only the messages that are new (``ConversationHistory``), and the
+checkpoint's step names the stored messages it rests on — one write of a few numbers that
+commits with the decision, whatever the length of the conversation.
+
 Imports no Django and no framework.
 """
 
@@ -19,13 +25,14 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 from . import (
     Executed,
+    HistoryConflict,
     LookupFn,
     RemoteRun,
     Tool,
@@ -33,7 +40,18 @@ from . import (
     ToolContext,
 )
 
-__all__ = ["Admitted", "CallRouter", "Outcome", "OutcomeUndecided", "Routed", "current_call"]
+__all__ = [
+    "Admitted",
+    "CallRouter",
+    "ConversationHistory",
+    "Outcome",
+    "OutcomeUndecided",
+    "Routed",
+    "current_call",
+]
+
+CHECKPOINT = {"checkpoint": "model_response"}  # a checkpoint step's input
+HISTORY = "history"  # in a checkpoint step's output: the stored messages it rests on
 
 CURRENT_CALL: ContextVar[ToolContext | None] = ContextVar("agentops_current_call", default=None)
 
@@ -104,28 +122,47 @@ class CallRouter:
         self.window_after = 0
         self.adopted: set[int] = set()
         self.parked: Routed | None = None
+        self.history = ConversationHistory(run)
         self._lock = threading.RLock()
 
     # checkpoints
 
-    def checkpoint(self, make_state: Callable[[int], Mapping[str, Any]], output: Any) -> int:
-        """A ``decided`` step before acting on a model response: ``make_state(seq)`` is the
-        run's new state, holding what the framework needs to resume with the same decision
-        (the model is not asked again) and the step's ``seq``. Sent with that ``seq``, so a
+    def checkpoint(
+        self, make_messages: Callable[[int], Sequence[Mapping[str, Any]]], output: Any
+    ) -> int:
+        """A ``decided`` step before acting on a model response: ``make_messages(seq)`` is
+        the framework's whole message list at this response (JSON objects), from which a
+        new process resumes with the same decision (the model is not asked again); ``seq``
+        is the step's. What is new in it is appended to the run's history store, and the
+        step's output names the stored messages (``history``). Sent with that ``seq``, so a
         retry after a lost answer records it once. Returns the seq."""
-        # TODO(issue 27 protocol): a JSON-patch of the state and the run's history store
-        # will make this cheaper than replacing the whole state at every model response
         with self._lock:
             seq = self.next_seq
+            kept = self.history.save(make_messages(seq))
             self.run.step(
-                input={"checkpoint": "model_response"},
-                output=output,
-                state=dict(make_state(seq)),
+                input=dict(CHECKPOINT),
+                output={**dict(output), HISTORY: kept},
                 seq=seq,
             )
             self.next_seq = seq + 1
             self.window_after = seq
         return seq
+
+    def last_checkpoint(self) -> tuple[int, list[Any]] | None:
+        """The run's latest checkpoint step: its seq and the messages it rests on, read
+        back from the history store (this process's ``history`` then continues from them);
+        None if the run has none (a new run, or one checkpointed in its state by an older
+        version of the adapter)."""
+        steps = [
+            step
+            for step in self.run.resume.steps
+            if step.get("input") == CHECKPOINT
+            and isinstance(step.get("output"), dict)
+            and HISTORY in step["output"]
+        ]
+        if not steps:
+            return None
+        return steps[-1]["seq"], self.history.load(steps[-1]["output"][HISTORY])
 
     def resume_from(self, seq: int) -> None:
         """Act on a model response checkpointed earlier at ``seq`` (a new process)."""
@@ -275,3 +312,75 @@ def _usable_id(framework_call_id: str) -> str | None:
     if 0 < len(value) <= 200 and value.isascii() and value.isprintable() and " " not in value:
         return value
     return None
+
+
+class HistoryLost(Exception):
+    """A checkpoint names messages the run's history store no longer has: the framework's
+    history cannot be rebuilt (nothing is guessed; the record says what was done)."""
+
+
+class ConversationHistory:
+    """A framework's message list kept in the run's history store (``POST/GET
+    /runs/{id}/messages/``: beside the record, not in it). ``save`` appends only the
+    messages past the part already stored and unchanged, and answers the seqs the whole
+    list is made of, as ``[first, last]`` ranges; ``load`` rebuilds the list from them.
+
+    Messages a process appended and then died before its checkpoint named them stay in the
+    store, unnamed and unread; a successor appends after them (``after_seq`` is learnt from
+    the store's ``history_conflict`` answer), so an append never overwrites anything. The
+    store's limits apply: ``MessageTooLarge``, ``HistoryFull`` (docs/remote-agents.md)."""
+
+    def __init__(self, run: RemoteRun) -> None:
+        self.run = run
+        self.seqs: list[int] = []  # the stored seq of each message of the list
+        self.messages: list[Any] = []  # the list as stored
+        self.last_seq = 0  # the store's last seq as far as this process knows
+
+    def load(self, ranges: Sequence[Sequence[int]]) -> list[Any]:
+        seqs = [seq for first, last in ranges for seq in range(int(first), int(last) + 1)]
+        wanted, found = set(seqs), {}
+        if seqs:
+            for item in self.run.client.messages(self.run.run_id, after_seq=min(seqs) - 1):
+                self.last_seq = max(self.last_seq, item["seq"])
+                if item["seq"] in wanted:
+                    found[item["seq"]] = item["message"]
+        missing = wanted - set(found)
+        if missing:
+            raise HistoryLost(f"the run's history has no message {min(missing)}")
+        self.seqs, self.messages = seqs, [found[seq] for seq in seqs]
+        return list(self.messages)
+
+    def save(self, messages: Sequence[Mapping[str, Any]]) -> list[list[int]]:
+        messages = [dict(message) for message in messages]
+        same = 0
+        for stored, message in zip(self.messages, messages, strict=False):
+            if canonical(stored) != canonical(message):
+                break
+            same += 1
+        seqs = self.seqs[:same]
+        if messages[same:]:
+            first, last = self._append(messages[same:])
+            seqs += range(first, last + 1)
+        self.seqs, self.messages = seqs, messages
+        return _ranges(seqs)
+
+    def _append(self, messages: list[dict[str, Any]]) -> tuple[int, int]:
+        try:
+            answer = self.run.append_messages(messages, after_seq=self.last_seq)
+        except HistoryConflict as exc:
+            # messages this process has not seen (a predecessor's, never named by a
+            # checkpoint): append after them
+            self.last_seq = int(exc.body["last_seq"])
+            answer = self.run.append_messages(messages, after_seq=self.last_seq)
+        self.last_seq = answer["last_seq"]
+        return answer["first_seq"], answer["last_seq"]
+
+
+def _ranges(seqs: Sequence[int]) -> list[list[int]]:
+    ranges: list[list[int]] = []
+    for seq in seqs:
+        if ranges and ranges[-1][1] == seq - 1:
+            ranges[-1][1] = seq
+        else:
+            ranges.append([seq, seq])
+    return ranges

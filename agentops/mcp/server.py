@@ -23,6 +23,7 @@ import mcp_types as types
 from asgiref.sync import sync_to_async
 from django.conf import settings
 from django.db import close_old_connections
+from django.http.request import HttpHeaders
 from mcp.server.lowlevel import Server
 from mcp.server.transport_security import TransportSecuritySettings
 
@@ -31,6 +32,7 @@ from runs.actors import PermissionDenied
 from runs.models import ApiToken
 from runs.registry import Effect, Tool
 from runs.services import InvalidInput, InvalidState
+from runs.throttling import UnauthenticatedRateThrottle
 from runs.tokens import api_token_authenticate
 
 MCP_PATH = "/mcp/"
@@ -124,8 +126,30 @@ def _answer(outcome: selectors.Outcome) -> types.CallToolResult:
     )
 
 
+class _Held:
+    """The ``tools/call`` requests this process holds now (its event loop's: no lock). Past
+    ``AGENTOPS_MCP["MAX_HELD"]`` a new call is refused before anything is recorded
+    (``gateway_busy``, with ``retry_after``): each held call is an open connection and a
+    poll of the record, and a process must not take more of them than it can serve."""
+
+    count = 0
+
+
 async def call_tool(ctx: Any, params: types.CallToolRequestParams) -> types.CallToolResult:
     token = _token(ctx)
+    if _Held.count >= settings.AGENTOPS_MCP["MAX_HELD"]:
+        busy = services.GatewayBusy()
+        return _error(busy.code, str(busy), **busy.extra)
+    _Held.count += 1
+    try:
+        return await _record_and_hold(token, ctx, params)
+    finally:
+        _Held.count -= 1
+
+
+async def _record_and_hold(
+    token: ApiToken, ctx: Any, params: types.CallToolRequestParams
+) -> types.CallToolResult:
     meta = _meta(ctx, params)
     client_key = meta.get(META_KEY) or meta.get(META_KEY_PLAIN) or ""
     headers = ctx.request.headers if ctx.request is not None else {}
@@ -192,9 +216,43 @@ def _authenticate(raw: str) -> tuple[ApiToken | None, bool]:
     return token, True
 
 
-async def _refuse(send: Any, status: int, code: str, detail: str) -> None:
-    body = json.dumps({"code": code, "detail": detail}).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+class _AddressOnly:
+    """What DRF's throttle reads of a request (``get_ident``: ``META`` and ``headers``): the
+    connection's address and ``X-Forwarded-For``, which counts only when ``NUM_PROXIES``
+    says proxies set it."""
+
+    def __init__(self, scope: Any) -> None:
+        client = scope.get("client") or ("", 0)
+        self.META = {"REMOTE_ADDR": client[0] or ""}
+        forwarded = dict(scope.get("headers") or []).get(b"x-forwarded-for")
+        if forwarded is not None:
+            self.META["HTTP_X_FORWARDED_FOR"] = forwarded.decode("latin-1")
+        self.headers = HttpHeaders(self.META)
+
+
+def _count_unauthenticated(scope: Any) -> float | None:
+    """A request with no token or a bad one counts against the API's ``anon`` rate of its
+    address (``runs.throttling``: the same count, shared by every process through the
+    cache); past the rate, the seconds to wait. A valid token is never counted."""
+    throttle = UnauthenticatedRateThrottle()
+    if throttle.allow_request(_AddressOnly(scope), None):
+        return None
+    return throttle.wait() or 1.0
+
+
+async def _refuse(
+    send: Any, status: int, code: str, detail: str, *, retry_after: float | None = None
+) -> None:
+    fields: dict[str, Any] = {"code": code, "detail": detail}
+    headers = []
+    if retry_after is not None:
+        fields["retry_after"] = round(retry_after, 3)
+        headers.append((b"retry-after", str(int(retry_after) + 1).encode()))
+    body = json.dumps(fields).encode()
+    headers += [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
     if status == 401:
         headers.append((b"www-authenticate", b'Bearer realm="mcp"'))
     await send({"type": "http.response.start", "status": status, "headers": headers})
@@ -219,6 +277,16 @@ class TokenRequired:
         if scheme.lower() == "bearer" and raw.strip():
             token, allowed = await _db(_authenticate)(raw.strip())
         if token is None:
+            wait = await _db(_count_unauthenticated)(scope)
+            if wait is not None:
+                await _refuse(
+                    send,
+                    429,
+                    "throttled",
+                    "Too many requests without a valid token from this address.",
+                    retry_after=wait,
+                )
+                return
             await _refuse(send, 401, "not_authenticated", "Invalid, expired or revoked token.")
             return
         if not allowed:

@@ -14,7 +14,7 @@ from django.db.models import Max
 from agentops.mcp.gateway import AGENT_NAME, SIGNAL, exposed_tools
 from agentops.mcp.models import GatewayCall, GatewaySession
 from runs.actors import DRIVE_REMOTE_RUN, Actor, PermissionDenied
-from runs.errors import NotFound
+from runs.errors import DomainError, NotFound
 from runs.models import ApiToken, Run, Step
 from runs.record.checkpoint import checkpoint
 from runs.record.eventtypes import EventType
@@ -43,6 +43,25 @@ class KeyReused(InvalidState):
 
 class RunNotFound(NotFound):
     pass
+
+
+class GatewayBusy(DomainError):
+    """This gateway process holds as many ``tools/call`` requests as it may
+    (``AGENTOPS_MCP_MAX_HELD``): nothing was recorded; call again after ``retry_after``."""
+
+    code = "gateway_busy"
+    status = 429
+    RETRY_AFTER = 5
+
+    def __init__(self) -> None:
+        super().__init__(
+            "This MCP gateway process holds as many calls as it may; nothing was recorded. "
+            "Call again (the same key) after retry_after seconds."
+        )
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return {"retry_after": self.RETRY_AFTER}
 
 
 def gateway_actor(token: ApiToken) -> Actor:

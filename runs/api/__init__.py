@@ -679,7 +679,10 @@ class RunDetailApi(APIView):
         "its status changes or N seconds passed — e.g. a remote agent waiting for its "
         "approval or its wait to end, which then finds the run queued for it.",
         parameters=[longpoll.WaitQuerySerializer],
-        responses={200: RunSerializer, **errors("validation_error", "not_found")},
+        responses={
+            200: RunSerializer,
+            **errors("validation_error", "not_found", "long_polls_busy"),
+        },
     )
     def get(self, request, run_id):
         seconds = longpoll.wait_seconds(request)

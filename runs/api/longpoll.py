@@ -7,9 +7,13 @@ queries in 30 s), in autocommit: no transaction, no lock and no row version is h
 it waits, so it delays no writer. It does hold one of the web server's request slots (a
 gunicorn thread) for up to N seconds, so each API token (or signed-in user) may hold at most
 ``AGENTOPS_LONG_POLLS_PER_TOKEN`` (default 2) at once in one web process; past that the
-read is answered at once (``Agentops-Long-Poll: capped``), as if ``wait`` were 0. The header
-says how every long poll ended: ``changed``, ``timeout``, ``capped``, or ``none`` (nothing to
-wait for: the read was answered at once)."""
+read is answered at once (``Agentops-Long-Poll: capped``), as if ``wait`` were 0. And a web
+process holds at most ``AGENTOPS_LONG_POLLS_PER_PROCESS`` long polls of all tokens together
+(default: half its threads), so waiting clients never take every slot from the others; past
+that the read is refused, ``429 long_polls_busy`` with ``retry_after`` — the client reads
+again after that long, rather than spinning on answers given at once. The header says how
+every long poll ended: ``changed``, ``timeout``, ``capped``, or ``none`` (nothing to wait
+for: the read was answered at once)."""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from django.conf import settings
 from rest_framework import serializers
 
 from runs.api_common import QueryParamsSerializer
+from runs.errors import DomainError
 
 WAIT_MAX_SECONDS = 30
 HEADER = "Agentops-Long-Poll"
@@ -34,6 +39,27 @@ sleep = time.sleep
 
 _held: Counter[Any] = Counter()
 _held_lock = threading.Lock()
+# every token's holds in this process together (``_held``'s total)
+_PROCESS = ("process",)
+# how long a refused long poll is asked to wait before reading again
+BUSY_RETRY_AFTER = 2
+
+
+class LongPollsBusy(DomainError):
+    """This web process already holds as many long polls as it may: read again later."""
+
+    code = "long_polls_busy"
+    status = 429
+
+    def __init__(self) -> None:
+        super().__init__(
+            "This server process holds as many long polls as it may; nothing was held. "
+            "Read again after retry_after seconds (or without wait)."
+        )
+
+    @property
+    def extra(self) -> dict[str, Any]:
+        return {"retry_after": BUSY_RETRY_AFTER}
 
 
 class WaitQuerySerializer(QueryParamsSerializer):
@@ -58,19 +84,24 @@ def wait_seconds(request) -> int:
 
 @contextmanager
 def _slot(holder: Any) -> Iterator[bool]:
-    limit = settings.AGENTOPS["LONG_POLLS_PER_TOKEN"]
+    """A hold for ``holder``: ``False`` past its own cap (answer at once); ``LongPollsBusy``
+    past the process's cap (the token's own comes first: its excess is answered as before)."""
     with _held_lock:
-        granted = _held[holder] < limit
+        granted = _held[holder] < settings.AGENTOPS["LONG_POLLS_PER_TOKEN"]
+        if granted and _held[_PROCESS] >= settings.AGENTOPS["LONG_POLLS_PER_PROCESS"]:
+            raise LongPollsBusy()
         if granted:
             _held[holder] += 1
+            _held[_PROCESS] += 1
     try:
         yield granted
     finally:
         if granted:
             with _held_lock:
-                _held[holder] -= 1
-                if _held[holder] <= 0:
-                    del _held[holder]
+                for key in (holder, _PROCESS):
+                    _held[key] -= 1
+                    if _held[key] <= 0:
+                        del _held[key]
 
 
 def hold(request, read: Callable[[], Any], *, waiting: Callable[[Any], bool], seconds: int) -> str:

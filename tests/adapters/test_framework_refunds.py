@@ -11,9 +11,9 @@ import pytest
 
 from agentops.client import Client
 from runs.actors import Actor
-from runs.models import Run, Step, ToolCall, ToolReceipt
+from runs.models import Run, RunMessage, Step, ToolCall, ToolReceipt
 from runs.services import run_create
-from tests.adapters.conftest import AgentProcess
+from tests.agentproc import AgentProcess
 from tests.api.conftest import token_for
 from tests.support import event_types, expire_lease, refund_posts, refunds
 
@@ -59,7 +59,13 @@ def _one_refund(sandbox, run: Run) -> ToolCall:
     assert [r["idempotency_key"] for r in refunds(sandbox)] == [call.idempotency_key]
     assert len(refund_posts(sandbox)) == 1  # the key was sent once
     # one decision checkpointed, and acted on by whichever process came next
-    assert Step.objects.filter(run=run, kind=Step.Kind.DECISION).count() == 1
+    (decision,) = Step.objects.filter(run=run, kind=Step.Kind.DECISION)
+    # the conversation is in the run's history store, each message stored once (a resumed
+    # process appends nothing it read back), named by the checkpoint; the state is untouched
+    named = [seq for first, last in decision.output["history"] for seq in range(first, last + 1)]
+    stored = RunMessage.objects.filter(run=run).order_by("seq").values_list("seq", flat=True)
+    assert named and list(stored) == named
+    assert run.state == {}
     return call
 
 

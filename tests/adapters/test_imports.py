@@ -6,7 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.adapters.conftest import ROOT
+from tests.agentproc import ROOT
 
 
 def _python(code: str) -> subprocess.CompletedProcess[str]:

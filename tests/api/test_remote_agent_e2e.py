@@ -5,14 +5,6 @@ second gets the call as unknown, reconciles it by key, and finishes: exactly one
 
 from __future__ import annotations
 
-import os
-import queue
-import signal
-import subprocess
-import sys
-import threading
-from pathlib import Path
-
 import pytest
 
 from agentops.demo.remote_agent import MANIFEST, NAME
@@ -20,51 +12,18 @@ from runs.actors import Actor
 from runs.models import Run, ToolCall, ToolReceipt
 from runs.remote import agent_manifest_put
 from runs.services import run_create
+from tests import agentproc
 from tests.api.conftest import token_for
 from tests.support import event_types, refund_posts, refunds
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("roles")]
 
-ROOT = Path(__file__).resolve().parents[2]
 
+class AgentProcess(agentproc.AgentProcess):
+    """The documented remote agent (``agentops.demo.remote_agent``) as a process."""
 
-class AgentProcess:
     def __init__(self, *args: str, token: str) -> None:
-        env = {**os.environ, "AGENTOPS_TOKEN": token, "PYTHONPATH": str(ROOT)}
-        env.pop("DJANGO_SETTINGS_MODULE", None)  # the client needs no Django
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agentops.demo.remote_agent", *args],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=ROOT,
-            start_new_session=True,
-        )
-        self.lines: queue.Queue[str] = queue.Queue()
-        self.seen: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.proc.stdout:
-            self.lines.put(line.rstrip("\n"))
-
-    def wait_for(self, prefix: str, timeout: float = 60) -> str:
-        while True:
-            line = self.lines.get(timeout=timeout)
-            self.seen.append(line)
-            if line.startswith(prefix):
-                return line
-
-    def kill(self) -> None:
-        os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def finish(self, timeout: float = 90) -> int:
-        code = self.proc.wait(timeout=timeout)
-        while not self.lines.empty():
-            self.seen.append(self.lines.get())
-        return code
+        super().__init__("agentops.demo.remote_agent", *args, token=token)
 
 
 @pytest.fixture

@@ -133,6 +133,24 @@ def test_past_the_per_token_cap_it_is_answered_at_once(run, leased, awaiting, mo
     assert answer[longpoll.HEADER] == "capped"
 
 
+def test_past_the_per_process_cap_it_is_refused_with_when_to_come_back(
+    run, leased, awaiting, monkeypatch
+):
+    """Other tokens' long polls fill the process: this one is refused at once, 429 with
+    ``retry_after`` (field and header), and holds nothing; the count goes back down."""
+    monkeypatch.setitem(settings.AGENTOPS, "LONG_POLLS_PER_PROCESS", 1)
+    monkeypatch.setattr(longpoll, "sleep", lambda seconds: pytest.fail("held"))
+    with longpoll._slot(("token", "someone else")) as granted:
+        assert granted
+        answer = leased.client.get(f"/api/v1/runs/{run.id}/", {"wait": 30})
+        body = assert_error(answer, 429, "long_polls_busy")
+        assert body["retry_after"] == longpoll.BUSY_RETRY_AFTER
+        assert int(answer["Retry-After"]) >= longpoll.BUSY_RETRY_AFTER
+        # a read without wait holds nothing, and is answered as ever
+        assert leased.client.get(f"/api/v1/runs/{run.id}/").status_code == 200
+    assert not longpoll._held
+
+
 @pytest.mark.parametrize("wait", ["31", "-1", "x", "", "1.5"])
 def test_a_bad_wait_is_a_validation_error(run, leased, awaiting, as_approver, wait):
     for path in (f"/api/v1/runs/{run.id}/", f"/api/v1/approvals/{awaiting.id}/"):

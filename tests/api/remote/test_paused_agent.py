@@ -20,8 +20,9 @@ from runs.actors import Actor
 from runs.models import Run, ToolCall
 from runs.remote import agent_manifest_put
 from runs.services import run_create
+from tests.agentproc import ROOT
 from tests.api.conftest import token_for
-from tests.api.test_remote_agent_e2e import ROOT, AgentProcess
+from tests.api.test_remote_agent_e2e import AgentProcess
 from tests.support import expire_lease, refund_posts, refunds, rewind
 
 pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("roles")]

@@ -19,11 +19,13 @@ from agentops.client import (
     PatchTestFailed,
     StateVersionMismatch,
 )
+from agentops.client.routing import CallRouter
 from agentops.wsgi import application
 from approvals.models import Approval
 from approvals.services import approval_decide
 from runs.actors import Actor
 from runs.api import longpoll
+from runs.models import Run, Step
 from tests.api.conftest import token_for
 from tests.support import expire_lease
 
@@ -90,6 +92,38 @@ def test_state_patches_and_history_rebuild_a_conversation(run, client):
     assert second.messages() == [{"role": "user", "content": "hi"}]
 
 
+def test_a_checkpointed_conversation_is_stored_once_and_rebuilt_by_the_next_process(run, client):
+    """The adapters' checkpoints (``CallRouter.checkpoint``): only what is new goes to the
+    history store, the step names the stored messages, a dead process's unnamed messages are
+    skipped, and the run's state is never touched."""
+    state_before = Run.objects.get(id=run.id).state
+    crashed = client.lease(str(run.id), owner="proc-1")
+    crashed.append_messages([{"role": "orphan"}])  # then died before its checkpoint
+    expire_lease(run.id)
+
+    second = CallRouter(client.lease(str(run.id), owner="proc-2"))
+    assert second.last_checkpoint() is None
+    asked = [{"role": "user", "content": "refund"}, {"role": "assistant", "call": 1}]
+    second.checkpoint(lambda seq: asked, {"tool_calls": []})
+    answered = [*asked, {"role": "tool", "result": 1}, {"role": "assistant", "call": 2}]
+    seq = second.checkpoint(lambda seq: answered, {"tool_calls": []})
+    assert [m["message"] for m in client.messages(str(run.id))] == [{"role": "orphan"}, *answered]
+    assert Step.objects.get(run_id=run.id, seq=seq).output["history"] == [[2, 5]]
+    expire_lease(run.id)
+
+    third = CallRouter(client.lease(str(run.id), owner="proc-3"))
+    assert third.last_checkpoint() == (seq, answered)
+    # a framework that rewrote its last message: stored again from there, nothing overwritten
+    rewritten = [*answered[:3], {"role": "assistant", "call": "2b"}]
+    later = third.checkpoint(lambda seq: rewritten, {"tool_calls": []})
+    assert Step.objects.get(run_id=run.id, seq=later).output["history"] == [[2, 4], [6, 6]]
+    expire_lease(run.id)
+
+    fourth = CallRouter(client.lease(str(run.id), owner="proc-4"))
+    assert fourth.last_checkpoint() == (later, rewritten)
+    assert Run.objects.get(id=run.id).state == state_before
+
+
 def test_wait_for_run_returns_once_the_approval_is_decided(run, client, approver, monkeypatch):
     leased = client.lease(str(run.id), owner="proc-1")
     proposal = leased.propose("refund", {**REFUND, "amount_cents": 50000})
@@ -105,6 +139,30 @@ def test_wait_for_run_returns_once_the_approval_is_decided(run, client, approver
     monkeypatch.setattr(longpoll, "sleep", decide)
     assert client.wait_for_run(str(run.id), timeout=60)["status"] == "queued"
     assert Approval.objects.get(id=proposal.approval_id).status == "approved"
+
+
+def test_wait_for_run_waits_as_told_while_the_server_holds_all_it_may(
+    run, client, approver, monkeypatch, settings
+):
+    """``long_polls_busy``: the client sleeps ``retry_after`` and reads again — no busy loop."""
+    leased = client.lease(str(run.id), owner="proc-1")
+    proposal = leased.propose("refund", {**REFUND, "amount_cents": 50000})
+    settings.AGENTOPS = {**settings.AGENTOPS, "LONG_POLLS_PER_PROCESS": 0}
+    slept: list[float] = []
+
+    def client_sleeps(seconds: float) -> None:
+        slept.append(seconds)
+        settings.AGENTOPS = {**settings.AGENTOPS, "LONG_POLLS_PER_PROCESS": 5}
+        approval_decide(
+            approval_id=proposal.approval_id,
+            decision="approve",
+            actor=Actor.for_user(approver, "api"),
+        )
+
+    monkeypatch.setattr("agentops.client.time.sleep", client_sleeps)
+    monkeypatch.setattr(longpoll, "sleep", lambda seconds: pytest.fail("held"))
+    assert client.wait_for_run(str(run.id), timeout=60)["status"] == "queued"
+    assert slept == [longpoll.BUSY_RETRY_AFTER]
 
 
 def test_answers_and_errors_conform_to_the_schema(robot, run, in_process):
