@@ -171,7 +171,7 @@ class Run(models.Model):
             ),
             models.Index(fields=["principal", "-created_at"], name="run_principal_created_idx"),
             models.Index(fields=["lease_owner"], name="run_lease_owner_idx"),
-            # the sweeper: waits whose timer or timeout fell due (runs.waits.claimable)
+            # the sweeper: waits whose timer or timeout fell due (runs.record.common.claimable)
             models.Index(
                 fields=["wake_at"],
                 name="run_wait_due_idx",
