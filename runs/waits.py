@@ -38,6 +38,7 @@ from runs.record.checkpoint import Checkpoint, checkpoint
 from runs.record.eventtypes import EventType
 from runs.record.runs import run_queue
 from runs.registry import UnknownAgent, digest, registry
+from runs.remote import remote_wait_end
 from runs.services import InvalidInput, InvalidState
 from runs.waitrules import SIGNAL_NAME_MAX, json_error, open_wait_step
 
@@ -70,12 +71,9 @@ def _wake(cp: Checkpoint, step: Step) -> None:
         agent = registry.agent(cp.run.agent_name)  # hosted agents: no query
     except UnknownAgent:
         agent = None
-    if agent is not None and getattr(agent, "kind", "") == "remote":
-        # runs.remote builds on this module and the engine: imported where it is used
-        from runs.remote import remote_wait_end
-
-        if remote_wait_end(cp, step=step, agent=agent):
-            return
+    remote = agent is not None and getattr(agent, "kind", "") == "remote"
+    if remote and remote_wait_end(cp, step=step, agent=agent):
+        return
     run_queue(cp, wake_at=None)
 
 
