@@ -13,6 +13,20 @@ from django.db import models
 from django.db.models import Q
 from django.utils import timezone
 
+from runs.registry import Effect
+
+
+class Channel(models.TextChoices):
+    """How a person or a process reached the record (DESIGN §2, contract): an event's, a
+    signal's, an answer's, a decision's channel (``RunEvent.Channel``)."""
+
+    WEB = "web"
+    EMAIL = "email"
+    API = "api"
+    ADMIN = "admin"
+    CLI = "cli"
+    WORKER = "worker"
+
 
 class Run(models.Model):
     class Status(models.TextChoices):
@@ -249,7 +263,8 @@ class ToolCall(models.Model):
     )
     tool_name = models.CharField(max_length=100)
     tool_version = models.CharField(max_length=64)
-    effect = models.CharField(max_length=20)
+    # the tool's effect class (runs.registry.Effect, the one catalogue)
+    effect = models.CharField(max_length=20, choices=[(e.value, e.value) for e in Effect])
     # the real arguments live only here; events, pages and emails get the masked copy
     arguments = models.JSONField(default=dict)
     arguments_masked = models.JSONField(default=dict)
@@ -402,7 +417,7 @@ class Signal(models.Model):
     # the sender's retry key: a second signal with the same key is the same signal
     idempotency_key = models.CharField(max_length=200, blank=True)
     sent_by = models.CharField(max_length=200)
-    channel = models.CharField(max_length=20)
+    channel = models.CharField(max_length=20, choices=Channel.choices)
     received_at = models.DateTimeField(auto_now_add=True)
     consumed_at = models.DateTimeField(null=True, blank=True)
     consumed_by_step = models.OneToOneField(
@@ -455,7 +470,7 @@ class Question(models.Model):
     answered_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
     )
-    channel = models.CharField(max_length=20, blank=True)
+    channel = models.CharField(max_length=20, choices=Channel.choices, blank=True)
     answered_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -521,13 +536,7 @@ class RunEventQuerySet(models.QuerySet):
 class RunEvent(models.Model):
     """Append-only: appended only through ``runs.record.checkpoint.checkpoint``."""
 
-    class Channel(models.TextChoices):
-        WEB = "web"
-        EMAIL = "email"
-        API = "api"
-        ADMIN = "admin"
-        CLI = "cli"
-        WORKER = "worker"
+    Channel = Channel
 
     # no index of its own: event_run_seq_uniq (run, seq) serves lookups by run
     run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="events", db_index=False)
@@ -789,7 +798,7 @@ class AuditEntry(models.Model):
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     action = models.CharField(max_length=60)
     actor = models.CharField(max_length=200)
-    channel = models.CharField(max_length=20, choices=RunEvent.Channel.choices)
+    channel = models.CharField(max_length=20, choices=Channel.choices)
     ip_address = models.GenericIPAddressField(null=True, blank=True)
     user_agent = models.TextField(blank=True)
     object_type = models.CharField(max_length=60, blank=True)

@@ -32,7 +32,7 @@ from runs.api import (
 )
 from runs.api_common import ApiError, actor_for, errors
 from runs.models import AgentManifest, Run, Signal, Step, ToolCall
-from runs.registry import AskQuestion, Sleep, UnknownAgent, WaitForSignal, registry
+from runs.registry import AskQuestion, OnExpiry, Sleep, UnknownAgent, WaitForSignal, registry
 from runs.waits import ANSWER_MAX, run_signal
 
 # signal names are identifiers: what a wait's code names, safe in logs and URLs
@@ -1038,7 +1038,9 @@ class ManifestApprovalSerializer(serializers.Serializer):
     group = serializers.CharField(required=False, help_text="Who may approve (a group).")
     required = serializers.IntegerField(required=False, min_value=1, max_value=10)
     ttl_seconds = serializers.IntegerField(required=False, min_value=60, max_value=2592000)
-    on_expiry = serializers.ChoiceField(choices=["reject", "terminate", "escalate"], required=False)
+    on_expiry = serializers.ChoiceField(
+        choices=[action.value for action in OnExpiry], required=False
+    )
 
 
 class ManifestLimitsSerializer(serializers.Serializer):
