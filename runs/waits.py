@@ -27,19 +27,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.db import transaction
 from django.utils import timezone
 
 from runs import links
 from runs.actors import Actor, PermissionDenied
 from runs.dbtime import db_now
 from runs.models import Question, QuestionLink, Run, Signal, Step
-from runs.record.checkpoint import Checkpoint, checkpoint
+from runs.record.checkpoint import Checkpoint
 from runs.record.eventtypes import EventType
 from runs.record.runs import run_queue
 from runs.registry import UnknownAgent, digest, registry
 from runs.remote import remote_wait_end
-from runs.services import InvalidInput, InvalidState
+from runs.services import InvalidInput, InvalidState, service_checkpoint
 from runs.waitrules import SIGNAL_NAME_MAX, json_error, open_wait_step
 
 ANSWER_MAX = 4000
@@ -99,9 +98,7 @@ def run_signal(
         raise InvalidInput("an idempotency key has at most 200 characters")
     if json_error("payload", payload):
         raise InvalidInput(json_error("payload", payload))
-    # atomic() around the checkpoint: called inside a caller's transaction (an API request's,
-    # a test's), a refusal rolls back to a savepoint and leaves that transaction usable
-    with transaction.atomic(), checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+    with service_checkpoint(run_id, actor=actor) as cp:
         if idempotency_key is not None:
             # the run row is locked: two senders of one key are serialised here
             existing = Signal.objects.filter(run_id=run_id, idempotency_key=idempotency_key).first()
@@ -164,10 +161,7 @@ def question_answer(*, question_id: Any, answer: Any, actor: Actor) -> Question:
         answer = answer.strip()
         if len(answer) > ANSWER_MAX:
             raise InvalidInput(f"an answer has at most {ANSWER_MAX} characters")
-    with (
-        transaction.atomic(),
-        checkpoint(question.run_id, actor=actor.label, channel=actor.channel) as cp,
-    ):
+    with service_checkpoint(question.run_id, actor=actor) as cp:
         question = Question.objects.select_related("step", "answered_by").get(id=question_id)
         if question.status == Question.Status.ANSWERED:
             who = question.answered_by.get_username() if question.answered_by else "someone"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from django import forms
 from django.contrib import admin, messages
-from django.db import transaction
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.utils import timezone
@@ -83,8 +82,8 @@ def revoke_tokens(modeladmin, request, queryset):
     done = 0
     for token_id in queryset.values_list("id", flat=True):
         try:
-            with transaction.atomic():  # see terminate_runs
-                api_token_revoke(token_id=token_id, actor=actor, request=request)
+            # its own transaction (a savepoint inside another): one refusal stops no other
+            api_token_revoke(token_id=token_id, actor=actor, request=request)
             done += 1
         except (InvalidState, PermissionDenied) as exc:
             modeladmin.message_user(request, str(exc), messages.WARNING)

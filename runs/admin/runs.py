@@ -11,7 +11,6 @@ from typing import Any
 from django import forms
 from django.contrib import admin, messages
 from django.contrib.admin import helpers
-from django.db import transaction
 from django.http import HttpRequest
 from django.template.response import TemplateResponse
 from django.urls import reverse
@@ -69,12 +68,9 @@ def terminate_runs(modeladmin, request, queryset):
         failures: list[str] = []
         for run_id in _ids_in_chunks(queryset):
             try:
-                # a savepoint per run: a refusal rolls back that run only, and leaves any
-                # enclosing transaction usable for the next one
-                with transaction.atomic():
-                    run = run_terminate(
-                        run_id=run_id, actor=actor, reason=form.cleaned_data["reason"]
-                    )
+                # the service owns its savepoint: a refusal rolls back that run only, and
+                # leaves any enclosing transaction usable for the next one
+                run = run_terminate(run_id=run_id, actor=actor, reason=form.cleaned_data["reason"])
             except (InvalidState, InvalidInput, PermissionDenied) as exc:
                 failures.append(f"{run_id}: {exc}")
                 continue
@@ -130,8 +126,7 @@ def _each_run(
     failures: list[str] = []
     for run_id in _ids_in_chunks(queryset):
         try:
-            with transaction.atomic():  # see terminate_runs
-                service(run_id=run_id, actor=actor, **kwargs)
+            service(run_id=run_id, actor=actor, **kwargs)  # its own savepoint: see terminate_runs
         except (InvalidState, InvalidInput, PermissionDenied) as exc:
             failures.append(f"{run_id}: {exc}")
             continue
