@@ -1,3 +1,5 @@
+# size: the record's models in one module, as Django's app layout expects: each model is short,
+# and the record reads best as one table of them (docs/architecture.md, "The record")
 """The authoritative record (DESIGN §2). The database is the only truth.
 
 State changes happen in ``runs.services`` and ``runs.engine`` only; models hold no logic,

@@ -1,3 +1,6 @@
+# size: the remote-agent protocol's endpoints (lease, steps, calls, waits), signals and manifests
+# with their serializers, one view each; to split by concern (waits, signals, agents) once the
+# branches that change it have merged
 """The remote-agent protocol (``runs.remote``), signals, and remote agents' manifests.
 
 Every write of the lease holder carries ``fence`` and ``lease_token`` in its body; a stale
