@@ -6,7 +6,8 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
-from runs.models import Run, ToolCall
+from runs.models import Channel, Run, ToolCall
+from runs.registry import OnExpiry as PolicyOnExpiry
 
 
 class Approval(models.Model):
@@ -16,6 +17,15 @@ class Approval(models.Model):
         REJECTED = "rejected"
         EXPIRED = "expired"
         CANCELLED = "cancelled"
+
+    class OnExpiry(models.TextChoices):
+        """What happens when it expires undecided: the tool's policy declares it
+        (``runs.registry.OnExpiry``, the one catalogue; tests/test_catalogues.py keeps these
+        equal)."""
+
+        REJECT = PolicyOnExpiry.REJECT.value
+        TERMINATE = PolicyOnExpiry.TERMINATE.value
+        ESCALATE = PolicyOnExpiry.ESCALATE.value
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="approvals")
     tool_call = models.ForeignKey(ToolCall, on_delete=models.CASCADE, related_name="approvals")
@@ -35,7 +45,7 @@ class Approval(models.Model):
     # nobody who started, forked, signalled or resolved the run may decide (policy
     # ``separate_duties``)
     separate_duties = models.BooleanField(default=True)
-    on_expiry = models.CharField(max_length=20, default="reject")
+    on_expiry = models.CharField(max_length=20, choices=OnExpiry.choices, default=OnExpiry.REJECT)
     # the policy's escalation, copied like the rest of it: an escalation follows the policy
     # that asked, not whatever the code says when the approval expires (a deploy in between).
     # ``ttl_seconds`` None: requested before these were copied (the code's policy is used).
@@ -91,7 +101,7 @@ class ApprovalDecision(models.Model):
     decider = models.ForeignKey(
         settings.AUTH_USER_MODEL, on_delete=models.PROTECT, related_name="+"
     )
-    channel = models.CharField(max_length=20)
+    channel = models.CharField(max_length=20, choices=Channel.choices)
     decision = models.CharField(max_length=20, choices=Decision.choices)
     comment = models.TextField(blank=True)
     # approve-with-edits: both copies masked (the real arguments live only on the ToolCall),

@@ -27,8 +27,11 @@ from zoneinfo import ZoneInfo, ZoneInfoNotFoundError, available_timezones
 import celpy
 from celpy import celtypes
 
+from runs.registry import OnExpiry
+
 DECISIONS = ("allow", "deny", "require_approval")
-ON_EXPIRY = ("reject", "terminate", "escalate")
+# what a policy may do when an approval expires undecided: the registry's catalogue
+ON_EXPIRY = tuple(action.value for action in OnExpiry)
 NAMES = ("args", "principal", "agent", "tool", "spend", "now")
 MAX_RULES = 50
 MAX_EXPRESSION = 1000

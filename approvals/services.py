@@ -19,7 +19,7 @@ from runs.actors import Actor, PermissionDenied
 from runs.dbtime import db_now
 from runs.errors import DomainError
 from runs.masking import UNMASKED, maskers_for_ids
-from runs.models import ToolCall
+from runs.models import Run, ToolCall
 from runs.record.checkpoint import checkpoint
 from runs.record.eventtypes import EventType
 from runs.registry import UnknownTool, digest, registry
@@ -343,15 +343,15 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
             approval=approval, principal=cp.run.principal, what="expired"
         )
         call = ToolCall.objects.select_related("step").get(id=approval.tool_call_id)
-        if approval.on_expiry == "terminate":
+        if approval.on_expiry == Approval.OnExpiry.TERMINATE:
             apply_terminate(
                 cp,
                 by=actor.label,
                 reason="approval expired",
-                reason_code="approval_expired",
+                reason_code=Run.Reason.APPROVAL_EXPIRED,
             )
             return
-        if approval.on_expiry == "escalate":
+        if approval.on_expiry == Approval.OnExpiry.ESCALATE:
             group, ttl_seconds = _escalation(approval)
             if group and approval.approver_group != group:
                 approval.status = Approval.Status.CANCELLED
@@ -370,7 +370,7 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
                     allow_self_approval=approval.allow_self_approval,
                     require_login=approval.require_login,
                     separate_duties=approval.separate_duties,
-                    on_expiry="reject",
+                    on_expiry=Approval.OnExpiry.REJECT,
                     # a fresh time to live from the policy, on the database's clock
                     escalate_to=group,
                     ttl_seconds=ttl_seconds,

@@ -13,7 +13,6 @@ from typing import Any
 from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required, permission_required
-from django.db import transaction
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
@@ -133,13 +132,13 @@ def approval_bulk(request: HtmxHttpRequest) -> HttpResponse:
         actor = Actor.for_user(request.user, "web")
         for approval_id in data["approval"]:
             try:
-                with transaction.atomic():
-                    approval_decide(
-                        approval_id=approval_id,
-                        decision=decision,
-                        actor=actor,
-                        comment=data["comment"].strip(),
-                    )
+                # its own savepoint: one refusal leaves the others' decisions standing
+                approval_decide(
+                    approval_id=approval_id,
+                    decision=decision,
+                    actor=actor,
+                    comment=data["comment"].strip(),
+                )
             except Approval.DoesNotExist:
                 results[approval_id] = (False, "No such approval.")
             except (AlreadyDecided, ApprovalExpired, PermissionDenied, InvalidInput) as exc:

@@ -1,3 +1,5 @@
+# size: the record's models in one module, as Django's app layout expects: each model is short,
+# and the record reads best as one table of them (docs/architecture.md, "The record")
 """The authoritative record (DESIGN §2). The database is the only truth.
 
 State changes happen in ``runs.services`` and ``runs.engine`` only; models hold no logic,
@@ -12,6 +14,20 @@ from django.conf import settings
 from django.db import models
 from django.db.models import Q
 from django.utils import timezone
+
+from runs.registry import Effect
+
+
+class Channel(models.TextChoices):
+    """How a person or a process reached the record (DESIGN §2, contract): an event's, a
+    signal's, an answer's, a decision's channel (``RunEvent.Channel``)."""
+
+    WEB = "web"
+    EMAIL = "email"
+    API = "api"
+    ADMIN = "admin"
+    CLI = "cli"
+    WORKER = "worker"
 
 
 class Run(models.Model):
@@ -171,7 +187,7 @@ class Run(models.Model):
             ),
             models.Index(fields=["principal", "-created_at"], name="run_principal_created_idx"),
             models.Index(fields=["lease_owner"], name="run_lease_owner_idx"),
-            # the sweeper: waits whose timer or timeout fell due (runs.waits.claimable)
+            # the sweeper: waits whose timer or timeout fell due (runs.record.common.claimable)
             models.Index(
                 fields=["wake_at"],
                 name="run_wait_due_idx",
@@ -249,7 +265,8 @@ class ToolCall(models.Model):
     )
     tool_name = models.CharField(max_length=100)
     tool_version = models.CharField(max_length=64)
-    effect = models.CharField(max_length=20)
+    # the tool's effect class (runs.registry.Effect, the one catalogue)
+    effect = models.CharField(max_length=20, choices=[(e.value, e.value) for e in Effect])
     # the real arguments live only here; events, pages and emails get the masked copy
     arguments = models.JSONField(default=dict)
     arguments_masked = models.JSONField(default=dict)
@@ -402,7 +419,7 @@ class Signal(models.Model):
     # the sender's retry key: a second signal with the same key is the same signal
     idempotency_key = models.CharField(max_length=200, blank=True)
     sent_by = models.CharField(max_length=200)
-    channel = models.CharField(max_length=20)
+    channel = models.CharField(max_length=20, choices=Channel.choices)
     received_at = models.DateTimeField(auto_now_add=True)
     consumed_at = models.DateTimeField(null=True, blank=True)
     consumed_by_step = models.OneToOneField(
@@ -455,7 +472,7 @@ class Question(models.Model):
     answered_by = models.ForeignKey(
         settings.AUTH_USER_MODEL, null=True, blank=True, on_delete=models.PROTECT, related_name="+"
     )
-    channel = models.CharField(max_length=20, blank=True)
+    channel = models.CharField(max_length=20, choices=Channel.choices, blank=True)
     answered_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -521,13 +538,7 @@ class RunEventQuerySet(models.QuerySet):
 class RunEvent(models.Model):
     """Append-only: appended only through ``runs.record.checkpoint.checkpoint``."""
 
-    class Channel(models.TextChoices):
-        WEB = "web"
-        EMAIL = "email"
-        API = "api"
-        ADMIN = "admin"
-        CLI = "cli"
-        WORKER = "worker"
+    Channel = Channel
 
     # no index of its own: event_run_seq_uniq (run, seq) serves lookups by run
     run = models.ForeignKey(Run, on_delete=models.PROTECT, related_name="events", db_index=False)
@@ -789,7 +800,7 @@ class AuditEntry(models.Model):
     created_at = models.DateTimeField(default=timezone.now, editable=False)
     action = models.CharField(max_length=60)
     actor = models.CharField(max_length=200)
-    channel = models.CharField(max_length=20, choices=RunEvent.Channel.choices)
+    channel = models.CharField(max_length=20, choices=Channel.choices)
     ip_address = models.GenericIPAddressField(null=True, blank=True)
     user_agent = models.TextField(blank=True)
     object_type = models.CharField(max_length=60, blank=True)

@@ -102,6 +102,17 @@ def register_kind(
     _kinds[name] = Kind(render=render, recorded=recorded)
 
 
+# other rows the sweep hook sends after the emails (webhook deliveries: ``runs.webhooks``
+# registers its own, so this module never imports it); each takes ``limit`` and returns how
+# many it sent
+_drains: list[Callable[..., int]] = []
+
+
+def register_drain(drain: Callable[..., int]) -> None:
+    if drain not in _drains:
+        _drains.append(drain)
+
+
 # --- writing (inside the calling transaction) -----------------------------------------------------
 
 
@@ -208,8 +219,6 @@ def emails_send(ids: Iterable[int]) -> int:
 def outbox_drain_due(limit: int = 50) -> int:
     """The sweep hook: send due emails and webhook deliveries, for at most
     ``DRAIN_BUDGET_SECONDS``. Returns how many were sent."""
-    from runs.webhooks import webhooks_deliver_due
-
     started = time.monotonic()
     rows = list(
         OutboxMessage.objects.filter(status=OutboxMessage.Status.PENDING)
@@ -217,7 +226,7 @@ def outbox_drain_due(limit: int = 50) -> int:
         .order_by("id")[:limit]
     )
     sent = _send_rows(rows, started=started)
-    return sent + webhooks_deliver_due(limit=limit)
+    return sent + sum(drain(limit=limit) for drain in _drains)
 
 
 def _send_rows(rows: list[OutboxMessage], *, started: float | None = None) -> int:

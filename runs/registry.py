@@ -1,3 +1,6 @@
+# size: the vocabulary agents and tools are written in (effects, policies, limits, the actions
+# ``decide`` returns, ``Agent``, ``Tool``) imported from one place by every agent; mostly
+# declarations and their docstrings, with little logic
 """Registry of hosted agents and tools (DESIGN §6).
 
 Agents and tools are registered in code with a name and a version. The engine looks them up

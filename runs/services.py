@@ -8,6 +8,8 @@ API, admin actions and workers all call these; a transition is never written twi
 from __future__ import annotations
 
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from decimal import Decimal
 from typing import Any
 
@@ -31,6 +33,21 @@ from runs.registry import Effect, UnknownAgent, UnknownTool, registry
 from runs.selectors import toolcall_absence_proven
 
 __all__ = ["InvalidInput", "InvalidState"]  # the domain errors services raise (runs.errors)
+
+
+@contextmanager
+def service_checkpoint(run_id: Any, *, actor: Actor) -> Iterator[Checkpoint]:
+    """A service's locking checkpoint in a transaction of its own. ``checkpoint()`` alone joins
+    a caller's transaction (``atomic(savepoint=False)``: the engine's hot path pays for no
+    savepoint); a service owns a savepoint instead, so a refusal inside it rolls back this
+    service's writes only and leaves a caller's transaction usable — a request's
+    (``ATOMIC_REQUESTS``), a test's, or a bulk action's applying one run after another.
+    Outside any transaction the savepoint is the transaction: nothing more is paid."""
+    with (
+        transaction.atomic(),
+        checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp,
+    ):
+        yield cp
 
 
 class UnsafeDispatchUnconfirmed(InvalidState):
@@ -166,7 +183,7 @@ def run_promote(*, run_id: Any, actor: Actor) -> Run:
     promoted once (``AlreadyPromoted``; the one-to-one link refuses a second even under a
     race)."""
     actor.require("runs.start_run")
-    with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+    with service_checkpoint(run_id, actor=actor) as cp:
         source = Run.objects.get(id=run_id)  # under the lock cp holds
         if not source.dry_run:
             raise InvalidState("only a dry run can be promoted; this run is real")
@@ -203,7 +220,7 @@ def run_terminate(*, run_id: Any, actor: Actor, reason: str) -> Run:
     actor.require("runs.operate_run")
     if not reason.strip():
         raise InvalidInput("a reason is required to terminate a run")
-    with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+    with service_checkpoint(run_id, actor=actor) as cp:
         if cp.run.status in Run.TERMINAL:
             raise InvalidState(f"run is already {cp.run.status}")
         if cp.run.status == Run.Status.RUNNING and _lease_is_live(run_id):
@@ -220,7 +237,7 @@ def run_terminate(*, run_id: Any, actor: Actor, reason: str) -> Run:
 
 def run_pause(*, run_id: Any, actor: Actor, reason: str = "") -> Run:
     actor.require("runs.operate_run")
-    with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+    with service_checkpoint(run_id, actor=actor) as cp:
         status = cp.run.status
         if status not in (Run.Status.QUEUED, Run.Status.RUNNING):
             raise InvalidState(f"a {status} run cannot be paused")
@@ -238,7 +255,7 @@ def run_pause(*, run_id: Any, actor: Actor, reason: str = "") -> Run:
 
 def run_resume(*, run_id: Any, actor: Actor) -> Run:
     actor.require("runs.operate_run")
-    with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+    with service_checkpoint(run_id, actor=actor) as cp:
         if cp.run.status != Run.Status.PAUSED:
             raise InvalidState(f"a {cp.run.status} run cannot be resumed")
         record_runs.run_resume(cp, by=actor.label)
@@ -298,7 +315,7 @@ def toolcall_resolve(
     if outcome not in Resolution.ALL:
         raise InvalidInput(f"outcome must be one of {', '.join(Resolution.ALL)}")
     run_id = ToolCall.objects.values_list("run_id", flat=True).get(id=tool_call_id)
-    with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+    with service_checkpoint(run_id, actor=actor) as cp:
         call = ToolCall.objects.select_related("step").get(id=tool_call_id)
         if cp.run.status != Run.Status.NEEDS_ATTENTION:
             raise InvalidState(f"the run is {cp.run.status}, not waiting for a person")
@@ -451,7 +468,7 @@ def run_topup_budget(
         raise InvalidInput("nothing to top up")
     if deadline is not None and deadline <= timezone.now():
         raise InvalidInput("the new deadline must be in the future")
-    with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+    with service_checkpoint(run_id, actor=actor) as cp:
         run = Run.objects.get(id=run_id)  # usage and limits, under the lock cp holds
         exhausted = (
             run.status == Run.Status.NEEDS_ATTENTION
@@ -523,7 +540,7 @@ def run_retry_recovery(*, run_id: Any, actor: Actor) -> Run:
     the limit counts recoveries from here), one whose state migration was missing (refused
     while no migration path is deployed), or one whose tool precondition raised."""
     actor.require("runs.operate_run")
-    with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+    with service_checkpoint(run_id, actor=actor) as cp:
         run = Run.objects.only(
             "status", "reason_code", "recovery_count", "agent_name", "agent_version", "model_id"
         ).get(id=run_id)
@@ -606,7 +623,7 @@ def run_fork(
             f"only the registered version of {agent.name} ({agent.version}) can be forked onto"
         )
     new_id = uuid.uuid4()
-    with checkpoint(run_id, actor=actor.label, channel=actor.channel) as cp:
+    with service_checkpoint(run_id, actor=actor) as cp:
         source = Run.objects.get(id=run_id)
         if source.status == Run.Status.RUNNING and _lease_is_live(run_id):
             raise InvalidState("the run is being driven: pause or terminate it first")

@@ -24,7 +24,7 @@ from django_q.models import OrmQ
 
 from runs.models import AgentManifest, Run
 from runs.queue import enqueue_run
-from runs.waits import claimable
+from runs.record.common import claimable
 
 log = logging.getLogger(__name__)
 

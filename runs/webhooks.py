@@ -173,6 +173,7 @@ def install() -> None:
 
     # sent by the outbox's sweep hook (runs.outbox.outbox_drain_due)
     register_event_listener(enqueue_for_checkpoint, EVENT_TYPES)
+    outbox.register_drain(webhooks_deliver_due)
     try:
         from runs import alerts
     except ImportError:  # pragma: no cover - alerts are optional to this module

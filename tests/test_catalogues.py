@@ -107,3 +107,43 @@ def test_every_domain_error_has_one_base():
         cls = getattr(module, name)
         if issubclass(cls, Exception) and name != "JsonRejected":  # the JSON rule's own
             assert issubclass(cls, DomainError), f"{path}: {name}"
+
+
+# fields whose value is one of a fixed set: each has choices (a nested TextChoices, or a
+# catalogue's); free text (names, keys, hashes, actors, groups) is not status-like
+STATUS_LIKE = re.compile(
+    r"(^|_)(status|reason_code|channel|on_expiry|effect|kind|health|outcome|source|decision|requested_action)$"
+)
+# (model, field): why it has no choices
+OPEN_SETS = {
+    ("runs.OutboxMessage", "kind"): "kinds are registered by apps (runs.outbox.register_kind)",
+}
+
+
+def test_every_status_like_field_has_choices():
+    """Issue 22: every status, reason, channel and action string of a model comes from one
+    catalogue (its ``TextChoices``), so forms, the admin's filters and the docs list the
+    same values."""
+    from django.apps import apps
+
+    bare = []
+    models = [*apps.get_app_config("runs").get_models()]
+    models += apps.get_app_config("approvals").get_models()
+    for model in models:
+        for model_field in model._meta.concrete_fields:
+            label = (model._meta.label, model_field.name)
+            if (
+                model_field.get_internal_type() == "CharField"
+                and STATUS_LIKE.search(model_field.name)
+                and not model_field.choices
+                and label not in OPEN_SETS
+            ):
+                bare.append(label)
+    assert bare == []
+
+
+def test_an_approvals_on_expiry_choices_are_the_registrys():
+    from approvals.models import Approval
+    from runs.registry import OnExpiry
+
+    assert set(Approval.OnExpiry.values) == {action.value for action in OnExpiry}

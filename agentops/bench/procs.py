@@ -17,73 +17,29 @@ from pathlib import Path
 
 from django.conf import settings
 
-MANAGE = str(Path(settings.BASE_DIR) / "manage.py")
+from agentops.workerprocs import WorkerFailed, WorkerProcess
+
 PAGE_SIZE = os.sysconf("SC_PAGE_SIZE")
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
-class WorkerFailed(RuntimeError):
-    pass
+class BenchWorker(WorkerProcess):
+    """``manage.py bench --worker NAME``: the no-op bench agents registered, then the ordinary
+    ``runworker``, started and stopped by the shared helper (``agentops.workerprocs``)."""
 
-
-class BenchWorker:
     def __init__(self, name: str, env: dict[str, str], log_dir: Path) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self.started_at = time.time()
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                # without Django's system checks, as runworker itself starts (they are not
-                # part of a worker's cold start: runs/management/commands/runworker.py)
-                [sys.executable, MANAGE, "bench", "--worker", name, "--skip-checks"],
-                cwd=settings.BASE_DIR,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_running(self, timeout: float = 60) -> None:
-        end = time.monotonic() + timeout
-        while f"worker {self.name} running" not in self.output():
-            if not self.alive:
-                raise WorkerFailed(f"worker {self.name} exited:\n{self.output()[-2000:]}")
-            if time.monotonic() > end:
-                raise WorkerFailed(f"worker {self.name} did not start in {timeout:.0f}s")
-            time.sleep(0.05)
-
-    def stop(self, timeout: float = 60) -> None:
-        """SIGTERM to the main process only (RECIPES: to the group it hangs ~90 s)."""
-        if not self.alive:
-            return
-        with suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-        # orphaned cluster children, if any, go with the group
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
+        # without Django's system checks, as runworker itself starts (they are not part of a
+        # worker's cold start: runs/management/commands/runworker.py)
+        super().__init__(
+            name,
+            env,
+            log_dir / f"{name}.log",
+            command=["bench", "--worker", name, "--skip-checks"],
+        )
 
     def kill(self) -> None:
         """A crash: SIGKILL of the whole process group."""
-        with suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.pid, signal.SIGKILL)
-        with suppress(subprocess.TimeoutExpired):
-            self.process.wait(10)
+        self.kill_group(timeout=10)
 
     def group_pids(self) -> list[int]:
         return group_pids(self.pid)

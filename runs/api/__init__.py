@@ -1,3 +1,5 @@
+# size: the runs API's own use cases (runs, events, calls, agents) with their serializers, one
+# view each; the remote protocol, history, questions and the schema's hooks are modules beside it
 """The runs API (``/api/v1/``): one view per use case, input and output serializers.
 
 Views parse, call the same services the pages and the admin call, and serialize. Services

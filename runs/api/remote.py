@@ -1,3 +1,6 @@
+# size: the remote-agent protocol's endpoints (lease, steps, calls, waits), signals and manifests
+# with their serializers, one view each; to split by concern (waits, signals, agents) once the
+# branches that change it have merged
 """The remote-agent protocol (``runs.remote``), signals, and remote agents' manifests.
 
 Every write of the lease holder carries ``fence`` and ``lease_token`` in its body; a stale
@@ -32,7 +35,7 @@ from runs.api import (
 )
 from runs.api_common import ApiError, actor_for, errors
 from runs.models import AgentManifest, Run, Signal, Step, ToolCall
-from runs.registry import AskQuestion, Sleep, UnknownAgent, WaitForSignal, registry
+from runs.registry import AskQuestion, OnExpiry, Sleep, UnknownAgent, WaitForSignal, registry
 from runs.waits import ANSWER_MAX, run_signal
 
 # signal names are identifiers: what a wait's code names, safe in logs and URLs
@@ -1038,7 +1041,9 @@ class ManifestApprovalSerializer(serializers.Serializer):
     group = serializers.CharField(required=False, help_text="Who may approve (a group).")
     required = serializers.IntegerField(required=False, min_value=1, max_value=10)
     ttl_seconds = serializers.IntegerField(required=False, min_value=60, max_value=2592000)
-    on_expiry = serializers.ChoiceField(choices=["reject", "terminate", "escalate"], required=False)
+    on_expiry = serializers.ChoiceField(
+        choices=[action.value for action in OnExpiry], required=False
+    )
 
 
 class ManifestLimitsSerializer(serializers.Serializer):

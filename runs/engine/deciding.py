@@ -7,7 +7,7 @@ from typing import Any
 
 from django.db.models import F
 
-from runs import flow, waits
+from runs import flow, waitrules
 from runs.engine.lease import (
     Lease,
     Outcome,
@@ -311,7 +311,7 @@ def decide_wait(lease: Lease, action: WaitForSignal | Sleep | AskQuestion, seq: 
     parked in ``waiting_event`` with no lease. A signal that arrived before the wait began
     (or a timer already due) ends it in this same commit: services lock the same run row,
     so a signal is either seen here or finds the run waiting and wakes it."""
-    error = waits.validate(action)
+    error = waitrules.validate(action)
     if error:
         with lease.checkpoint() as cp:
             step = transitions.step_refused(
@@ -326,7 +326,7 @@ def decide_wait(lease: Lease, action: WaitForSignal | Sleep | AskQuestion, seq: 
         lease.run.steps_used += 1
         lease.steps.append(step)
         return Outcome.CONTINUE
-    spec, _wake_at = waits.spec(action, lease.now())
+    spec, _wake_at = waitrules.spec(action, lease.now())
     with lease.checkpoint() as cp:
         step = Step.objects.create(
             run_id=lease.run.id, seq=seq, kind=Step.Kind.WAIT, input=spec, incarnation=lease.fence
@@ -335,12 +335,12 @@ def decide_wait(lease: Lease, action: WaitForSignal | Sleep | AskQuestion, seq: 
         cp.update(steps_used=F("steps_used") + 1)
         cp.boundary("decided")
         if isinstance(action, AskQuestion):
-            waits.question_create(cp, step=step)
-        ended = waits.end_wait_if_due(
+            waitrules.question_create(cp, step=step)
+        ended = waitrules.end_wait_if_due(
             cp, run=lease.run, agent=lease.agent, step=step, now=lease.now()
         )
         if not ended:
-            waits.park(cp, step=step)
+            waitrules.park(cp, step=step)
     lease.run.steps_used += 1
     lease.steps.append(step)
     return Outcome.CONTINUE if ended else Outcome.PARKED
@@ -351,11 +351,11 @@ def continue_wait(lease: Lease, step: Step) -> str:
     or by a recovery. What ends it is read from the record; if nothing does yet, the run
     parks again (a duplicate wake-up costs one commit, never a lost wait)."""
     with lease.checkpoint() as cp:
-        ended = waits.end_wait_if_due(
+        ended = waitrules.end_wait_if_due(
             cp, run=lease.run, agent=lease.agent, step=step, now=lease.now()
         )
         if not ended:
-            waits.park(cp, step=step, again=True)
+            waitrules.park(cp, step=step, again=True)
     return Outcome.CONTINUE if ended else Outcome.PARKED
 
 

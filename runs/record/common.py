@@ -10,8 +10,9 @@ from typing import Any
 
 from django.db import DatabaseError, models
 from django.db.models import Q
+from django.db.models.functions import Now
 
-from runs.models import AgentManifest
+from runs.models import AgentManifest, Run
 
 # the run's fields a locking checkpoint reads
 LOCKED_FIELDS = (
@@ -86,6 +87,15 @@ def kind_filter(remote: bool) -> Q:
     (``runs.remote``), hosted ones only by workers: neither may claim the other's."""
     remote_names = Q(agent_name__in=AgentManifest.objects.values("name"))
     return remote_names if remote else ~remote_names
+
+
+def claimable() -> Q:
+    """Which runs a worker may claim (lease aside): runnable ones, and waiting ones whose
+    timer or timeout fell due (docs/waits.md). A wait with no timeout has ``wake_at`` null
+    and is never claimed until a signal or an answer makes it runnable."""
+    return Q(status__in=Run.RUNNABLE) | Q(
+        status=Run.Status.WAITING_EVENT, wake_at__isnull=False, wake_at__lte=Now()
+    )
 
 
 def write_rows(cp: Any, insert: Callable[[Any], Any], update: Callable[..., int]) -> None:

@@ -16,7 +16,7 @@ from runs import dbtime
 from runs.flow import GENERATION_SQL
 from runs.flow import note_generation as note_flow_generation
 from runs.models import Run, RunEvent
-from runs.record.common import kind_filter, write_rows
+from runs.record.common import claimable, kind_filter, write_rows
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -85,11 +85,9 @@ def take_lease(
 ) -> tuple[Run, bool, datetime] | None:
     """The claim's compare-and-set through the ORM (SQLite): read the fence, then UPDATE
     on it. Returns the run as updated, whether it was recovered, and the database's time."""
-    from runs import waits  # it builds on the record
-
     # runnable, or waiting with its timer or timeout due (docs/waits.md)
     observed = (
-        Run.objects.filter(waits.claimable(), kind_filter(remote), id=run_id)
+        Run.objects.filter(claimable(), kind_filter(remote), id=run_id)
         .values_list("fence", "status")
         .first()
     )
@@ -98,7 +96,7 @@ def take_lease(
     fence, status = observed
     recovered = status == Run.Status.RUNNING  # its last holder never released it
     taken = (
-        Run.objects.filter(waits.claimable(), kind_filter(remote), id=run_id, fence=fence)
+        Run.objects.filter(claimable(), kind_filter(remote), id=run_id, fence=fence)
         .filter(Q(lease_expires_at__isnull=True) | Q(lease_expires_at__lt=Now()))
         .filter(Q(wake_at__isnull=True) | Q(wake_at__lte=Now()))
         .update(

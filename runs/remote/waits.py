@@ -10,7 +10,7 @@ from typing import Any
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from runs import engine, waits
+from runs import engine, waitrules
 from runs.actors import Actor
 from runs.dbtime import db_now
 from runs.models import Question, Run, Step
@@ -58,7 +58,7 @@ def _wait_begun(step: Step, *, replayed: bool) -> WaitBegun:
 
 def _same_wait(step: Step, action: WaitForSignal | Sleep | AskQuestion) -> bool:
     # deadlines are computed from the clock at the time of the request: not compared
-    spec, _wake_at = waits.spec(action, timezone.now())
+    spec, _wake_at = waitrules.spec(action, timezone.now())
     volatile = ("deadline", "until")
     return {k: v for k, v in step.input.items() if k not in volatile} == {
         k: v for k, v in spec.items() if k not in volatile
@@ -94,7 +94,7 @@ def remote_wait_begin(
         )
         if replayed is not None:
             return _wait_begun(replayed, replayed=True)
-    error = waits.validate(action)
+    error = waitrules.validate(action)
     if error:
         raise InvalidInput(error)
     lease = _held(run_id, fence, actor, lease_token)
@@ -114,13 +114,13 @@ def remote_wait_end(cp: Checkpoint, *, step: Step, agent: Agent) -> bool:
     arrived or the clock allows it. No worker ever claims a remote run, so whatever ends its
     wait ends it right there — a signal or an answer in the service's own commit
     (``runs.waits``), the timer or the timeout in the sweeper's (``remote_waits_end_due``) —
-    exactly as the engine ends a hosted run's wait at claim (``waits.end_wait_if_due``):
+    exactly as the engine ends a hosted run's wait at claim (``waitrules.end_wait_if_due``):
     the step completes with its outcome, a signal is consumed in the same commit, and
     ``run.wait_ended`` or ``run.wait_timed_out`` is recorded (its webhook, ``run.wait_ended``,
     wakes a process that exited). The run is then ``queued``, waiting for an agent process,
     whose next lease finds the finished wait in its resume packet."""
     run = Run.objects.get(id=cp.run.id)
-    if not waits.end_wait_if_due(cp, run=run, agent=agent, step=step, now=db_now()):
+    if not waitrules.end_wait_if_due(cp, run=run, agent=agent, step=step, now=db_now()):
         return False
     run_queue(cp, enqueue=False, wake_at=None, enqueued_at=None, reason_detail=WAITING_FOR_PROCESS)
     return True
@@ -149,7 +149,7 @@ def remote_waits_end_due(limit: int = 200) -> int:
             ).exists()
             if not still:  # ended, claimed or terminated since we looked
                 continue
-            step = waits.open_wait_step(run_id)
+            step = waitrules.open_wait_step(run_id)
             if step is not None and remote_wait_end(cp, step=step, agent=agent):
                 ended += 1
     return ended

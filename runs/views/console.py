@@ -17,7 +17,6 @@ from typing import Any
 from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required, permission_required
-from django.db import transaction
 from django.http import HttpResponse, QueryDict
 from django.shortcuts import redirect, render
 from django.urls import NoReverseMatch, reverse
@@ -391,13 +390,12 @@ def _bulk_apply(action: str, run_ids: list[str], reason: str, actor: Actor) -> l
     results = []
     for run_id in run_ids:
         try:
-            # each run in its own transaction: a refusal rolls back that run only, also
-            # when the caller is itself inside a transaction (tests, ATOMIC_REQUESTS)
-            with transaction.atomic():
-                if action == "terminate":
-                    run = services.run_terminate(run_id=run_id, actor=actor, reason=reason)
-                else:
-                    run = services.run_retry_recovery(run_id=run_id, actor=actor)
+            # each service owns its savepoint: a refusal rolls back that run only, also when
+            # the caller is itself inside a transaction (tests, ATOMIC_REQUESTS)
+            if action == "terminate":
+                run = services.run_terminate(run_id=run_id, actor=actor, reason=reason)
+            else:
+                run = services.run_retry_recovery(run_id=run_id, actor=actor)
             if action == "terminate":
                 outcome = (
                     "terminated"

@@ -21,7 +21,6 @@ from typing import Any
 from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required, permission_required
-from django.db import transaction
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
@@ -369,11 +368,10 @@ def _act(
         return _after_error(request, run_id, action=action, form=form, status=400)
     actor = Actor.for_user(request.user, "web")
     try:
-        # The service's own transaction joins an outer one when there is one (a test case,
-        # ATOMIC_REQUESTS): this savepoint keeps a refused action from breaking it, so the
-        # page can still be read afterwards to show the refusal.
-        with transaction.atomic():
-            run = do(actor, form.cleaned_data)
+        # The service owns a savepoint inside an outer transaction (a test case,
+        # ATOMIC_REQUESTS): a refused action does not break it, so the page can still be
+        # read afterwards to show the refusal.
+        run = do(actor, form.cleaned_data)
     except (Run.DoesNotExist, RunNotFound):
         raise Http404("no such run") from None
     except ActorPermissionDenied:

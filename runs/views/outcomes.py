@@ -13,7 +13,6 @@ from typing import Any
 from django import forms
 from django.contrib import messages
 from django.contrib.auth.decorators import login_required
-from django.db import transaction
 from django.http import Http404, HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.views.decorators.http import require_GET, require_http_methods, require_POST
@@ -216,18 +215,17 @@ def toolcall_resolve_view(request: HtmxHttpRequest, call_id: int) -> HttpRespons
         return _row_response(request, call, events, form=form, status=400)
     data = form.cleaned_data
     try:
-        # a savepoint: a refusal inside the service must not break an outer transaction
-        # (a test case, ATOMIC_REQUESTS) that the error page still reads from
-        with transaction.atomic():
-            services.toolcall_resolve(
-                tool_call_id=call.id,
-                outcome=data["outcome"],
-                actor=Actor.for_user(request.user, "web"),
-                external_ref=data["external_ref"].strip(),
-                result=data["result"],
-                confirm_risk=data["confirm_risk"],
-                attestation=data["attestation"],
-            )
+        # the service owns its savepoint: a refusal inside it does not break an outer
+        # transaction (a test case, ATOMIC_REQUESTS) that the error page still reads from
+        services.toolcall_resolve(
+            tool_call_id=call.id,
+            outcome=data["outcome"],
+            actor=Actor.for_user(request.user, "web"),
+            external_ref=data["external_ref"].strip(),
+            result=data["result"],
+            confirm_risk=data["confirm_risk"],
+            attestation=data["attestation"],
+        )
     except ActorPermissionDenied:
         return _refused(request, "resolve unknown tool outcomes", RESOLVE)
     except services.UnsafeDispatchUnconfirmed as exc:
@@ -390,15 +388,14 @@ def _triage_resolve(request: HtmxHttpRequest, data: dict[str, Any]) -> dict[int,
             results[call_id] = (False, "no such tool call")
             continue
         try:
-            with transaction.atomic():
-                services.toolcall_resolve(
-                    tool_call_id=call_id,
-                    outcome=data["outcome"],
-                    actor=actor,
-                    # an unsafe call is sent again only on the person's recorded word
-                    confirm_risk=bool(attestation),
-                    attestation=attestation,
-                )
+            services.toolcall_resolve(
+                tool_call_id=call_id,
+                outcome=data["outcome"],
+                actor=actor,
+                # an unsafe call is sent again only on the person's recorded word
+                confirm_risk=bool(attestation),
+                attestation=attestation,
+            )
         except ToolCall.DoesNotExist:
             results[call_id] = (False, "no such tool call")
         except ActorPermissionDenied as exc:

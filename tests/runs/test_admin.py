@@ -278,10 +278,10 @@ def test_retry_recovery_action(operator_client, parked_run):
 def test_an_action_on_many_runs_applies_to_each(operator_client, parked_run, action, monkeypatch):
     """Each run's service enqueues work (which may close the connection): the selection is
     read in chunks, never through a cursor left open across them (a 500 on SQLite)."""
-    from runs import admin as runs_admin
+    from runs.admin import runs as run_admin
 
     monkeypatch.setattr(
-        runs_admin, "_ids_in_chunks", functools.partial(runs_admin._ids_in_chunks, size=2)
+        run_admin, "_ids_in_chunks", functools.partial(run_admin._ids_in_chunks, size=2)
     )
     status = Run.Status.NEEDS_ATTENTION if action == "retry_recovery" else Run.Status.PAUSED
     ids = [parked_run.id, *(_clone(parked_run).id for _ in range(5))]
@@ -324,9 +324,9 @@ def test_run_page_shows_its_timeline_and_tool_calls(auditor_client, approved_ref
 
 
 def test_run_page_pages_a_long_timeline(auditor_client, approved_refund, monkeypatch):
-    import runs.admin
+    from runs.admin import runs as run_admin
 
-    monkeypatch.setattr(runs.admin, "TIMELINE_PAGE", 3)
+    monkeypatch.setattr(run_admin, "TIMELINE_PAGE", 3)
     url = reverse("admin:runs_run_change", args=[approved_refund.pk])
     last = auditor_client.get(url).context
     assert last["timeline_page"] == last["timeline_pages"]

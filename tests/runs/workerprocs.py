@@ -1,23 +1,19 @@
 """Real ``runworker`` processes for tests: started in their own process group against the
-TEST database, and always stopped (SIGKILL of the whole group) when the test ends."""
+TEST database (``agentops.workerprocs``, the helper the benchmark and chaos use too), and
+always stopped (SIGKILL of the whole group) when the test ends."""
 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
-from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
-from django.conf import settings
-
 from agentops.demo.management.commands.chaos import database_url
+from agentops.workerprocs import MANAGE, WorkerProcess
 
-MANAGE = str(Path(settings.BASE_DIR) / "manage.py")
+__all__ = ["MANAGE", "WorkerProcess", "Workers", "one_line", "wait_for", "worker_env"]
 
 
 def worker_env(sandbox: Any = None, **overrides: str) -> dict[str, str]:
@@ -40,77 +36,6 @@ def worker_env(sandbox: Any = None, **overrides: str) -> dict[str, str]:
     return env
 
 
-class WorkerProcess:
-    def __init__(
-        self, name: str, env: dict[str, str], log_path: Path, prefix: Sequence[str] = ()
-    ) -> None:
-        self.name = name
-        self.log_path = log_path
-        with open(log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                # prefix: e.g. `ip netns exec <host>`, which execs the worker (same pid)
-                [*prefix, sys.executable, MANAGE, "runworker", "--name", name],
-                cwd=settings.BASE_DIR,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-
-    @property
-    def pid(self) -> int:
-        return self.process.pid
-
-    @property
-    def alive(self) -> bool:
-        return self.process.poll() is None
-
-    def output(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def wait_running(self, timeout: float = 20) -> None:
-        wait_for(
-            lambda: f"worker {self.name} running" in self.output() or not self.alive,
-            timeout,
-            what=f"worker {self.name} to start",
-        )
-        assert self.alive, self.output()
-
-    def wait_exit(self, timeout: float, *, during: Callable[[], Any] | None = None) -> int:
-        end = time.monotonic() + timeout
-        while self.alive:
-            assert time.monotonic() < end, f"{self.name} still running:\n{self.output()}"
-            if during is not None:
-                during()
-            time.sleep(0.05)
-        return self.process.returncode
-
-    def group_alive(self) -> bool:
-        try:
-            os.killpg(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-
-    def frozen(self) -> bool:
-        """The main process is stopped (SIGSTOP, e.g. by AGENTOPS_PAUSE_AT)."""
-        try:
-            stat = Path(f"/proc/{self.pid}/stat").read_text()
-        except OSError:
-            return False
-        return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
-
-    def resume(self) -> None:
-        """SIGCONT to the whole process group, as whoever froze it would."""
-        os.killpg(self.pid, signal.SIGCONT)
-
-    def kill_group(self) -> None:
-        with suppress(ProcessLookupError):
-            os.killpg(self.pid, signal.SIGKILL)
-        self.process.wait()  # reaped: a zombie would still look alive to its successor
-
-
 class Workers:
     """Starts workers for one test and kills whatever is left of them afterwards."""
 
@@ -120,7 +45,7 @@ class Workers:
 
     def start(self, name: str, env: dict[str, str], prefix: Sequence[str] = ()) -> WorkerProcess:
         log_path = self.tmp_path / f"{name}.{len(self.started)}.log"
-        worker = WorkerProcess(name, env, log_path, prefix)
+        worker = WorkerProcess(name, env, log_path, prefix=prefix)
         self.started.append(worker)
         return worker
 

@@ -47,7 +47,6 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections import Counter, deque
@@ -63,6 +62,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError
 from django.db import DatabaseError, connection, transaction
 
+from agentops import workerprocs
 from runs.faults import BOUNDARIES
 from runs.record.eventtypes import EventType
 
@@ -879,17 +879,12 @@ class Harness:
         self.incarnations[slot] += 1
         name = name or f"{self.tag}-w{slot}"
         log_path = self.tmp / f"{name.removeprefix(self.tag + '-')}.{self.incarnations[slot]}.log"
-        with open(log_path, "wb") as log:
-            process = subprocess.Popen(
-                [sys.executable, str(Path(settings.BASE_DIR) / "manage.py"), "runworker"]
-                + ["--name", name],
-                cwd=settings.BASE_DIR,
-                env=self._worker_env(crash_at, pause_at),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # its own process group: we kill the whole group
-            )
+        # its own process group: we kill the whole group
+        process = workerprocs.spawn(
+            ["runworker", "--name", name],
+            env=self._worker_env(crash_at, pause_at),
+            log_path=log_path,
+        )
         worker = WorkerProcess(slot, name, crash_at, process, log_path)
         self.last_start = time.monotonic()
         self.starts.append(datetime.now(UTC))
@@ -1640,8 +1635,4 @@ class _Timeout(Exception):
 
 def _frozen(worker: WorkerProcess) -> bool:
     """The worker's main process is stopped (SIGSTOP): state T in /proc."""
-    try:
-        stat = Path(f"/proc/{worker.process.pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[-1].split()[0] in ("T", "t")
+    return workerprocs.frozen(worker.process.pid)
