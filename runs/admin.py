@@ -38,14 +38,9 @@ from django.utils.html import format_html
 from django_q.models import Failure, OrmQ, Schedule, Success
 
 from runs.actors import Actor, PermissionDenied
-from runs.audit import (
-    audit_record,
-    csv_lines,
-    group_snapshot,
-    keyset_iterate,
-    unlocking_as,
-    user_roles_snapshot,
-)
+from runs.audit.accounts import group_snapshot, unlocking_as, user_roles_snapshot
+from runs.audit.entries import audit_record
+from runs.audit.export import csv_lines, keyset_iterate
 from runs.masking import UNMASKED, Masker, masked_rows, maskers_for_ids
 from runs.models import (
     AgentManifest,

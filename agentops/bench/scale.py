@@ -256,7 +256,7 @@ def scale(
     from django.urls import reverse
 
     from runs import sweeper
-    from runs.audit import prune_candidates, run_prune
+    from runs.audit.retention import prune_candidates, run_prune
 
     say(f"scale: a run of {big_events} events, the claim on a small table")
     big_run = _big_run(big_events)

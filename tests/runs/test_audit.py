@@ -119,7 +119,7 @@ def test_audit_verify_finds_an_event_whose_hashes_were_recomputed_but_not_its_su
 
 
 def _entries(n: int = 3) -> list:
-    from runs.audit import audit_record
+    from runs.audit.entries import audit_record
 
     return [
         audit_record(
@@ -145,7 +145,7 @@ def _tamper_entries(sql: str, params: list) -> None:
 
 @pytest.mark.django_db
 def test_audit_entries_chain_and_verify(capsys):
-    from runs.audit import AUDIT_ANCHOR
+    from runs.audit.entries import AUDIT_ANCHOR
 
     first, second, third = _entries()
     assert first.prev_hash == AUDIT_ANCHOR
@@ -307,7 +307,7 @@ def test_an_emptied_audit_log_fails_against_the_head(tmp_path):
 
 @pytest.mark.django_db
 def test_emptied_events_fail_against_the_head(finished_run, tmp_path):
-    from runs.audit import chain_head, head_problems
+    from runs.audit.heads import chain_head, head_problems
 
     head = chain_head()
     _empty("runs_runevent")

@@ -19,7 +19,9 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 from django.db import OperationalError
 
-from runs.audit import chain_head, head_problems, verify_all, verify_entries
+from runs.audit.entries import verify_entries
+from runs.audit.heads import chain_head, head_problems
+from runs.audit.run_chains import verify_all
 from runs.models import Run
 
 
