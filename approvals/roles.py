@@ -44,6 +44,9 @@ ROLE_PERMISSIONS: dict[str, list[str]] = {
         "runs.view_toolshare",
         "runs.view_toolwaiter",
         "runs.view_runmessage",
+        # how far audit_verify has verified each chain; what retention exported and dropped
+        "runs.view_verifiedchain",
+        "runs.view_archivedchain",
         "approvals.view_approval",
         "approvals.view_approvaldecision",
         "approvals.view_approvallink",

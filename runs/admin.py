@@ -46,6 +46,7 @@ from runs.models import (
     AgentManifest,
     Alert,
     ApiToken,
+    ArchivedChain,
     AuditEntry,
     IdempotentRequest,
     OutboxMessage,
@@ -62,6 +63,7 @@ from runs.models import (
     ToolReceipt,
     ToolShare,
     ToolWaiter,
+    VerifiedChain,
     WebhookDelivery,
     Worker,
 )
@@ -1109,6 +1111,31 @@ class AlertAdmin(ReadOnlyAdmin):
         return run_link(obj.run_id)
 
 
+@admin.register(VerifiedChain)
+class VerifiedChainAdmin(ReadOnlyAdmin):
+    """How far ``audit_verify`` has verified each run's chain (docs/audit.md)."""
+
+    list_display = ["run_column", "seq", "hash", "verified_at"]
+    uuid_search_fields = ("run_id",)
+
+    @admin.display(description="run", ordering="run_id")
+    def run_column(self, obj: VerifiedChain) -> str:
+        return run_link(obj.run_id)
+
+
+@admin.register(ArchivedChain)
+class ArchivedChainAdmin(ReadOnlyAdmin):
+    """Runs whose events ``retention`` exported, and dropped (docs/operations.md)."""
+
+    list_display = ["run_column", "month", "seq", "events", "export", "archived_at", "dropped_at"]
+    uuid_search_fields = ("run_id",)
+    exact_search_fields = ("export",)
+
+    @admin.display(description="run", ordering="run_id")
+    def run_column(self, obj: ArchivedChain) -> str:
+        return run_link(obj.run_id)
+
+
 class AuditActionFilter(FixedChoicesFilter):
     title = "action"
     parameter_name = "action"
@@ -1121,6 +1148,8 @@ class AuditActionFilter(FixedChoicesFilter):
         "auth.sign_in_failed",
         "auth.signed_in",
         "auth.unlocked",
+        "events.archived",
+        "events.dropped",
         "group.created",
         "group.deleted",
         "group.permissions_changed",
@@ -1138,7 +1167,7 @@ class AuditObjectTypeFilter(FixedChoicesFilter):
     title = "object type"
     parameter_name = "object_type"
     field_path = "object_type"
-    values = ("agent", "api_token", "group", "user")
+    values = ("agent", "api_token", "group", "month", "user")
 
 
 @admin.register(AuditEntry)
