@@ -257,9 +257,9 @@ AXES_COOLOFF_TIME = timedelta(seconds=env_float("AGENTOPS_SIGN_IN_LOCKOUT", 15 *
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
 # the connection's address, as the audit log records it (X-Forwarded-For is the client's
 # choice); an IPv6 address counts as its /64
-AXES_CLIENT_IP_CALLABLE = "runs.audit.sign_in_client_address"
+AXES_CLIENT_IP_CALLABLE = "runs.audit.accounts.sign_in_client_address"
 AXES_RESET_ON_SUCCESS = True
-# sign-ins are audit entries already (runs.audit); lockouts and unlocks too
+# sign-ins are audit entries already (runs.audit.accounts); lockouts and unlocks too
 AXES_DISABLE_ACCESS_LOG = True
 # its admin would delete attempts unaudited: runs.admin registers an auditing one
 AXES_ENABLE_ADMIN = False

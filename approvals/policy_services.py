@@ -19,7 +19,7 @@ from approvals import policies
 from approvals.gate import approval_create, current_version, pending_satisfies, verdict_of
 from approvals.models import Approval, ApprovalPolicy, ApprovalPolicyVersion
 from runs.actors import Actor, PermissionDenied
-from runs.audit import audit_record
+from runs.audit.entries import audit_record
 from runs.gate import Verdict, code_verdict, policy_facts
 from runs.models import ToolCall
 from runs.record.checkpoint import checkpoint

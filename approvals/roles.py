@@ -47,6 +47,9 @@ ROLE_PERMISSIONS: dict[str, list[str]] = {
         # the MCP gateway's map of client keys to calls, and sessions to runs (agentops.mcp)
         "mcp.view_gatewaysession",
         "mcp.view_gatewaycall",
+        # how far audit_verify has verified each chain; what retention exported and dropped
+        "runs.view_verifiedchain",
+        "runs.view_archivedchain",
         "approvals.view_approval",
         "approvals.view_approvaldecision",
         "approvals.view_approvallink",

@@ -10,7 +10,7 @@ class RunsConfig(AppConfig):
         from runs import checks  # noqa: F401
 
         # sign-ins, lockouts and unlocks go to the audit log (issues 8, 17)
-        from runs.audit import connect_signals
+        from runs.audit.accounts import connect_signals
 
         connect_signals()
 

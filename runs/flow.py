@@ -501,7 +501,7 @@ def tool_limit_remove(*, tool_name: str, actor: Any, reason: str = "", request: 
 def _changed(action: str, actor: Any, request: Any, tool_name: str, before: Any, after: Any):
     """In the change's transaction: its audit entry; after the commit, the waiters of the
     tool are looked at again under the new limit."""
-    from runs.audit import audit_record
+    from runs.audit.entries import audit_record
 
     audit_record(
         action=action,

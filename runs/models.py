@@ -834,6 +834,56 @@ class AuditEntry(models.Model):
         raise AppendOnlyError("audit entries are append-only")
 
 
+class VerifiedChain(models.Model):
+    """How far ``audit_verify`` has verified a run's event chain: every event up to ``seq``
+    hashed, linked and found intact, the one at ``seq`` with ``hash``. The next incremental
+    check starts there (``runs.audit.run_chains``); ``audit_verify --full`` ignores it.
+
+    Written only by ``audit_verify``. Not a proof on its own: whoever can rewrite events (the
+    tables' owner, with the append-only triggers disabled) can rewrite this too, which is why
+    ``--full`` exists (docs/audit.md)."""
+
+    run = models.OneToOneField(
+        Run, primary_key=True, on_delete=models.CASCADE, related_name="verified_chain"
+    )
+    seq = models.PositiveBigIntegerField()
+    hash = models.CharField(max_length=64)
+    verified_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.run_id} verified up to event {self.seq}"
+
+
+class ArchivedChain(models.Model):
+    """A run whose events up to ``seq`` were exported by ``retention`` (docs/operations.md,
+    "Retention"): the export's file names and digests, and the chain's head at ``seq`` — where
+    the events still stored for the run (if any) must start. ``dropped_at``: when those events
+    were removed from the table (they live on only in the export)."""
+
+    run = models.OneToOneField(
+        Run, primary_key=True, on_delete=models.PROTECT, related_name="archived_chain"
+    )
+    # the first day of the month the run was created in (UTC): what retention goes by
+    month = models.DateField()
+    seq = models.PositiveBigIntegerField()
+    hash = models.CharField(max_length=64)
+    events = models.PositiveBigIntegerField()
+    # the run's smallest and largest event id then: ``audit_verify --expect-head`` counts the
+    # dropped events a head recorded earlier had seen
+    first_event_id = models.BigIntegerField(null=True)
+    last_event_id = models.BigIntegerField(null=True)
+    export = models.CharField(max_length=300)
+    export_digest = models.CharField(max_length=64)
+    archived_at = models.DateTimeField()
+    dropped_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = [models.Index(fields=["month"], name="archivedchain_month_idx")]
+
+    def __str__(self) -> str:
+        return f"{self.run_id} archived up to event {self.seq}"
+
+
 class Alert(models.Model):
     """One operator alert per cause (a run entering ``needs_attention``, a worker that
     stopped heartbeating): emailed and sent to webhooks once, however often pages refresh."""

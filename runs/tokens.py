@@ -18,7 +18,7 @@ from django.db.models.functions import Now
 from django.utils import timezone
 
 from runs.actors import Actor
-from runs.audit import audit_record
+from runs.audit.entries import audit_record
 from runs.models import ApiToken
 from runs.services import InvalidInput, InvalidState
 

@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("approvals", "0010_auditor_reads_limits_and_history"),
+        ("approvals", "0011_auditor_reads_chain_marks"),
         ("runs", "0029_layout_choices"),
     ]
 

@@ -13,7 +13,8 @@ from django.http import HttpRequest
 from django.utils import timezone
 
 from runs.actors import Actor
-from runs.audit import audit_record, group_snapshot, unlocking_as, user_roles_snapshot
+from runs.audit.accounts import group_snapshot, unlocking_as, user_roles_snapshot
+from runs.audit.entries import audit_record
 
 # --- users and groups: role changes are audited -----------------------------------------------
 # The admin saves users and groups itself (inside its own transaction); these wrappers take a

@@ -21,7 +21,7 @@ from django.utils import timezone
 from django.utils.functional import cached_property
 from django.utils.html import format_html
 
-from runs.audit import csv_lines, keyset_iterate
+from runs.audit.export import csv_lines, keyset_iterate
 from runs.masking import UNMASKED, Masker, masked_rows, maskers_for_ids
 
 

@@ -8,7 +8,7 @@ from django.db.models import Q
 
 from runs.admin.base import ReadOnlyAdmin, run_link
 from runs.admin.filters import ActorKindFilter, EventTypeFilter, FixedChoicesFilter
-from runs.models import AuditEntry, RunEvent
+from runs.models import ArchivedChain, AuditEntry, RunEvent, VerifiedChain
 
 
 @admin.register(RunEvent)
@@ -49,6 +49,31 @@ class RunEventAdmin(ReadOnlyAdmin):
         return run_link(obj.run_id)
 
 
+@admin.register(VerifiedChain)
+class VerifiedChainAdmin(ReadOnlyAdmin):
+    """How far ``audit_verify`` has verified each run's chain (docs/audit.md)."""
+
+    list_display = ["run_column", "seq", "hash", "verified_at"]
+    uuid_search_fields = ("run_id",)
+
+    @admin.display(description="run", ordering="run_id")
+    def run_column(self, obj: VerifiedChain) -> str:
+        return run_link(obj.run_id)
+
+
+@admin.register(ArchivedChain)
+class ArchivedChainAdmin(ReadOnlyAdmin):
+    """Runs whose events ``retention`` exported, and dropped (docs/operations.md)."""
+
+    list_display = ["run_column", "month", "seq", "events", "export", "archived_at", "dropped_at"]
+    uuid_search_fields = ("run_id",)
+    exact_search_fields = ("export",)
+
+    @admin.display(description="run", ordering="run_id")
+    def run_column(self, obj: ArchivedChain) -> str:
+        return run_link(obj.run_id)
+
+
 class AuditActionFilter(FixedChoicesFilter):
     title = "action"
     parameter_name = "action"
@@ -61,6 +86,8 @@ class AuditActionFilter(FixedChoicesFilter):
         "auth.sign_in_failed",
         "auth.signed_in",
         "auth.unlocked",
+        "events.archived",
+        "events.dropped",
         "group.created",
         "group.deleted",
         "group.permissions_changed",
@@ -78,7 +105,7 @@ class AuditObjectTypeFilter(FixedChoicesFilter):
     title = "object type"
     parameter_name = "object_type"
     field_path = "object_type"
-    values = ("agent", "api_token", "group", "user")
+    values = ("agent", "api_token", "group", "month", "user")
 
 
 @admin.register(AuditEntry)

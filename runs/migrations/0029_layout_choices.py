@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("runs", "0026_policy_toolcall_policy_input"),
+        ("runs", "0028_retention_chains"),
     ]
 
     operations = [

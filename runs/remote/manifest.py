@@ -468,7 +468,7 @@ def agent_manifest_put(
     before and after. Returns it and whether it was created. Runs started on an older version
     follow the resume rules when they are next claimed: a declared migration hop lets them
     continue (the process migrates its state), none parks them for a person."""
-    from runs.audit import audit_record
+    from runs.audit.entries import audit_record
 
     if not _is_admin(actor.user):
         raise PermissionDenied("only admins register remote agents")

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import DatabaseError, connection, transaction
+from django.utils import timezone
 
 from runs.models import RunEvent
 from runs.services import run_create
@@ -119,7 +122,7 @@ def test_audit_verify_finds_an_event_whose_hashes_were_recomputed_but_not_its_su
 
 
 def _entries(n: int = 3) -> list:
-    from runs.audit import audit_record
+    from runs.audit.entries import audit_record
 
     return [
         audit_record(
@@ -145,7 +148,7 @@ def _tamper_entries(sql: str, params: list) -> None:
 
 @pytest.mark.django_db
 def test_audit_entries_chain_and_verify(capsys):
-    from runs.audit import AUDIT_ANCHOR
+    from runs.audit.entries import AUDIT_ANCHOR
 
     first, second, third = _entries()
     assert first.prev_hash == AUDIT_ANCHOR
@@ -307,7 +310,7 @@ def test_an_emptied_audit_log_fails_against_the_head(tmp_path):
 
 @pytest.mark.django_db
 def test_emptied_events_fail_against_the_head(finished_run, tmp_path):
-    from runs.audit import chain_head, head_problems
+    from runs.audit.heads import chain_head, head_problems
 
     head = chain_head()
     _empty("runs_runevent")
@@ -341,3 +344,65 @@ def test_expect_head_refuses_a_file_that_is_not_a_head(tmp_path):
         call_command("audit_verify", expect_head=str(bad))
     with pytest.raises(CommandError, match="cannot read"):
         call_command("audit_verify", expect_head=str(tmp_path / "missing.json"))
+
+
+# --- incremental verification ------------------------------------------------------------------
+
+
+def _verify(*args: str, **options) -> str:
+    out = io.StringIO()
+    call_command("audit_verify", *args, stdout=out, **options)
+    return out.getvalue()
+
+
+@pytest.mark.django_db
+def test_a_verified_run_is_not_read_again_until_it_has_new_events(finished_run):
+    from runs.models import VerifiedChain
+
+    assert "1 run chain(s) intact; 0 unchanged" in _verify()
+    mark = VerifiedChain.objects.get(run=finished_run)
+    assert (mark.seq, mark.hash) == (finished_run.event_seq, finished_run.last_event_hash)
+    assert "0 run chain(s) intact; 1 unchanged" in _verify()
+    assert "1 run chain(s) intact (full)" in _verify("--full")
+
+
+@pytest.mark.django_db
+def test_an_event_rewritten_before_the_verified_head_is_found_by_full_only(finished_run):
+    """What incremental mode does not cover (docs/audit.md): it does not read events it
+    verified before, so an owner who rewrites one of them is found by ``--full``."""
+    _verify()
+    event = RunEvent.objects.get(run=finished_run, seq=3)
+    _tamper("UPDATE runs_runevent SET actor = 'user:mallory' WHERE id = %s", [event.id])
+    assert "0 run chain(s) intact; 1 unchanged" in _verify()
+    with pytest.raises(CommandError, match=f"run {finished_run.id} event 3: fields do not match"):
+        _verify("--full")
+
+
+@pytest.mark.django_db
+def test_incremental_verification_reads_the_events_after_the_verified_point(finished_run):
+    from runs.models import VerifiedChain
+
+    # verified earlier up to event 4: events 5 and on are read, and event 4 must still be there
+    event = RunEvent.objects.get(run=finished_run, seq=4)
+    VerifiedChain.objects.create(
+        run=finished_run, seq=4, hash=event.hash, verified_at=timezone.now()
+    )
+    later = RunEvent.objects.get(run=finished_run, seq=6)
+    _tamper("UPDATE runs_runevent SET type = 'run.failed' WHERE id = %s", [later.id])
+    with pytest.raises(CommandError, match="event 6: fields do not match"):
+        _verify()
+    _tamper("UPDATE runs_runevent SET type = %s WHERE id = %s", [later.type, later.id])
+    _tamper("UPDATE runs_runevent SET hash = 'x' WHERE id = %s", [event.id])
+    with pytest.raises(CommandError, match="event 4: changed since audit_verify verified it"):
+        _verify()
+
+
+@pytest.mark.django_db
+def test_incremental_verification_finds_emptied_events_of_verified_runs(finished_run):
+    _verify()
+    _empty("runs_runevent")
+    # the run rows were left alone: the run looks unchanged, its verified head is gone
+    with pytest.raises(CommandError, match=f"run {finished_run.id} event .*: gone or changed"):
+        _verify()
+    with pytest.raises(CommandError, match="0 stored"):
+        _verify("--full")

@@ -11,7 +11,7 @@ from django.contrib.auth.models import Group, Permission
 from django.core.management import call_command
 
 from runs.actors import Actor
-from runs.audit import audit_record
+from runs.audit.entries import audit_record
 from runs.models import ApiToken, AuditEntry
 from runs.tokens import api_token_create, api_token_revoke
 

@@ -68,7 +68,7 @@ def test_postgresql_refuses_truncate_of_the_append_only_tables_even_for_the_owne
 
 
 def test_the_least_privileged_role_can_append_but_not_rewrite_empty_or_unguard(app_role):
-    from runs.audit import audit_record
+    from runs.audit.entries import audit_record
 
     audit_record(action="token.created", actor="user:root", channel="cli", object_id=1)
     with _connect(user=app_role) as app:

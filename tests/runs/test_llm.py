@@ -17,7 +17,7 @@ from django.db import transaction
 
 from agentops.demo.llm_agents import LLMRefundAgent
 from runs import faults
-from runs.audit import verify_run
+from runs.audit.run_chains import verify_run
 from runs.llm import LLMAgent, LLMConfig, ModelCallInTransaction, tool_schema
 from runs.models import Run, Step, ToolCall
 from runs.registry import CallTool, Decision, DecisionContext, registry

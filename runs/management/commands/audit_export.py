@@ -19,7 +19,7 @@ from django.db import OperationalError
 from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
 
-from runs.audit import (
+from runs.audit.export import (
     EVENT_COLUMNS,
     EXPORT_CHUNK_SIZE,
     csv_lines,

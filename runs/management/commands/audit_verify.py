@@ -1,12 +1,17 @@
-"""``python manage.py audit_verify [--run ID] [--audit-head HASH] [--expect-head FILE]
-[--write-head FILE]``: walk the hash chains.
+"""``python manage.py audit_verify [--full] [--run ID] [--audit-head HASH] [--expect-head FILE]
+[--write-head FILE]`` or ``audit_verify --export HEADS_FILE``: walk the hash chains.
 
 Without ``--run``: every run's event chain, then the audit entry chain; with ``--run``: that
-run's chain only. Exits 1 naming the first broken link. Prints the audit log's head hash: keep
-it somewhere else (a ticket, a log shipper) and pass it as ``--audit-head`` later to prove the
-log was not cut short or rewritten since. ``--write-head FILE`` records the newest entry and
-event and their counts as JSON after a clean check; ``--expect-head FILE`` fails unless all of
-them are still there — an emptied or rewound table verifies as an intact chain otherwise.
+run's chain only. Incremental unless ``--full``: a run's events already verified by an
+earlier check are not read again, only those after them (``runs.audit.run_chains``: what that
+does not cover); ``--full`` reads every stored event. Exits 1 naming the first broken link.
+Prints the audit log's head hash: keep it somewhere else (a ticket, a log shipper) and pass
+it as ``--audit-head`` later to prove the log was not cut short or rewritten since.
+``--write-head FILE`` records the newest entry and event and their counts as JSON after a
+clean check; ``--expect-head FILE`` fails unless all of them are still there — an emptied or
+rewound table verifies as an intact chain otherwise. ``--export`` checks an export of
+``retention``: the part of each run's chain it holds, from the run's start to the head the
+database records.
 """
 
 from __future__ import annotations
@@ -19,7 +24,11 @@ from pathlib import Path
 from django.core.management.base import BaseCommand, CommandError
 from django.db import OperationalError
 
-from runs.audit import chain_head, head_problems, verify_all, verify_entries
+from runs.audit.entries import verify_entries
+from runs.audit.heads import chain_head, head_problems
+from runs.audit.retention import verify_export
+from runs.audit.run_chains import verified_head_gone, verify_all
+from runs.errors import DomainError, InvalidInput
 from runs.models import Run
 
 
@@ -28,6 +37,19 @@ class Command(BaseCommand):
 
     def add_arguments(self, parser):
         parser.add_argument("--run", default=None, help="verify only this run id")
+        parser.add_argument(
+            "--full",
+            action="store_true",
+            help="re-verify every stored event, not only those after the last verified point "
+            "(finds an event rewritten after it was verified)",
+        )
+        parser.add_argument(
+            "--export",
+            default=None,
+            metavar="HEADS_FILE",
+            help="check an export written by retention (its .heads.json, the events file "
+            "beside it) against itself and the database, then stop",
+        )
         parser.add_argument(
             "--audit-head",
             default=None,
@@ -50,6 +72,21 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args, **options):
+        if options["export"]:
+            others = ("run", "full", "audit_head", "expect_head", "write_head")
+            if any(options[name] for name in others):
+                raise CommandError("--export checks an export alone: give it no other option")
+            try:
+                counts = verify_export(Path(options["export"]))
+            except InvalidInput as exc:
+                raise CommandError(f"--export: {exc}") from None
+            except DomainError as exc:
+                raise CommandError(f"broken export: {exc}") from None
+            self.stdout.write(
+                f"ok: {counts['events']} exported events of {counts['runs']} run(s) link from "
+                "each run's start to the head the database records"
+            )
+            return
         run_ids = None
         if options["run"]:
             try:
@@ -80,11 +117,23 @@ class Command(BaseCommand):
         try:
             # before the walk: everything the written head counts is then verified below
             head = chain_head() if options["write_head"] else None
-            for _run, broken in verify_all(run_ids):
+            full = options["full"]
+            for _run, broken in verify_all(run_ids, full=full, record=True):
                 if broken is not None:
                     raise CommandError(f"broken chain: {broken}")
                 checked += 1
-            self.stdout.write(f"ok: {checked} run chain(s) intact")
+            if full:
+                self.stdout.write(f"ok: {checked} run chain(s) intact (full)")
+            else:
+                broken = verified_head_gone(run_ids)
+                if broken is not None:
+                    raise CommandError(f"broken chain: {broken}")
+                runs = Run.objects.all() if run_ids is None else Run.objects.filter(id__in=run_ids)
+                unchanged = runs.count() - checked
+                self.stdout.write(
+                    f"ok: {checked} run chain(s) intact; {unchanged} unchanged since they were "
+                    "verified (not read again: --full reads everything)"
+                )
             if run_ids is not None:
                 return
             result = verify_entries(expected_head=expected_head)

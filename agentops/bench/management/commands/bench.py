@@ -768,7 +768,8 @@ def table(report: dict) -> str:
             )
         prune = sc["prune"]
         lines.append(
-            f"  audit_verify --run (big run) {sc['audit_verify_one_run_s']} s; prune: "
+            f"  audit_verify --run (big run) {sc['audit_verify_one_run_s']} s; incremental "
+            f"audit_verify (everything) {sc.get('audit_verify_incremental_s')} s; prune: "
             f"candidates {prune['candidates_ms']} ms, {prune['per_run_ms']} ms per run "
             f"(batch of {prune['batch']})"
         )
