@@ -207,9 +207,11 @@ def _duration(seconds: int) -> str:
 def _document(version: ApprovalPolicyVersion | None) -> list[str]:
     if version is None:
         return []
-    text = json.dumps(
-        {"time_zone": version.time_zone, "rules": version.rules}, indent=2, sort_keys=True
-    )
+    document: dict[str, Any] = {"time_zone": version.time_zone, "rules": version.rules}
+    if version.withdraws:
+        # a withdrawal's one difference that is not in its (empty) rules
+        document["withdraws"] = True
+    text = json.dumps(document, indent=2, sort_keys=True)
     return text.splitlines()
 
 
@@ -326,6 +328,12 @@ def version_publish(request: HttpRequest, version_id: int) -> HttpResponse:
         messages.error(request, str(exc))
         return redirect("approvals:policy_version", version_id=version.id)
     summary = f"Version {published.number} is now the policy for {published.policy.tool_name}."
+    if published.withdraws:
+        summary = (
+            f"Version {published.number} withdrew the policy for "
+            f"{published.policy.tool_name}{published.policy.scope_label}: the tool's code "
+            "policy (or a broader data policy) applies."
+        )
     if done.rerequested:
         summary += f" {len(done.rerequested)} pending approval(s) asked again under it."
     if done.denied:

@@ -13,12 +13,22 @@ from runs.models import ApiToken, RunEvent, Step, ToolCall
 from runs.record.eventtypes import EventType
 
 
+def _group_names(user: Any) -> frozenset[str]:
+    """The user's group names, read once per user object (a request's pages ask several
+    times: which approvals they see, which they may decide)."""
+    names = getattr(user, "_approvals_group_names", None)
+    if names is None:
+        names = frozenset(user.groups.values_list("name", flat=True))
+        user._approvals_group_names = names
+    return names
+
+
 def _visible_to(user: Any) -> QuerySet[Approval]:
     """Approvals of the groups the user belongs to — the approval's group, or a group with a
     minimum in it (approvals.quorum) — all of them for a superuser."""
     approvals = Approval.objects.select_related("run")
     if not user.is_superuser:
-        names = list(user.groups.values_list("name", flat=True))
+        names = sorted(_group_names(user))
         mine = Q(approver_group__in=names)
         if names:
             mine |= Q(group_minimums__has_any_keys=names)
@@ -157,7 +167,7 @@ def decidable(*, user: Any, approvals: list[Approval]) -> list[Approval]:
     inbox's buttons, "Needs you"). The service still decides for real."""
     if not approvals or not user.has_perm("approvals.decide_approval"):
         return []
-    groups = None if user.is_superuser else set(user.groups.values_list("name", flat=True))
+    groups = None if user.is_superuser else set(_group_names(user))
     now = timezone.now()
     candidates = [
         a
@@ -258,11 +268,7 @@ def _quorum_open(*, user: Any, approvals: list[Approval]) -> list[Approval]:
                 superuser=row.decider.is_superuser,
             )
         )
-    me = quorum.Approver(
-        key=user.pk,
-        groups=frozenset(g.name for g in user.groups.all()),
-        superuser=user.is_superuser,
-    )
+    me = quorum.Approver(key=user.pk, groups=_group_names(user), superuser=user.is_superuser)
     refused = {
         a.id
         for a in quota

@@ -159,10 +159,12 @@ def approval_decide(
             return approval
         if approval.decisions.filter(decider=user, decision__in=ApprovalDecision.DECIDING).exists():
             raise AlreadyDecided("you have already decided this approval")
-        from approvals.gate import approvers_of
-
-        approvers = approvers_of(approval)
+        approvers: list[quorum.Approver] = []
         if decision == ApprovalDecision.Decision.APPROVE and approval.group_minimums:
+            # only where a rule set group minimums: who approved so far, with their groups
+            from approvals.gate import approvers_of
+
+            approvers = approvers_of(approval)
             me = quorum.Approver(
                 key=user.pk,
                 groups=frozenset(user.groups.values_list("name", flat=True)),

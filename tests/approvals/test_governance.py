@@ -174,7 +174,7 @@ def test_two_approvers_one_from_finance_settles_only_with_finance(
     # fay is not in the approver group, but finance may decide: she sees it and settles it
     client.force_login(fay)
     inbox = client.get(reverse("approvals:inbox")).content.decode()
-    assert f'href="/approvals/{approval.id}/"' in inbox
+    assert f'href="{reverse("approvals:detail", args=[approval.id])}"' in inbox
     assert "at least 1 from finance" in inbox
     _decide(approval, fay)
     approval.refresh_from_db()
@@ -253,14 +253,26 @@ def test_a_tightened_policy_re_requests_and_says_whose_decisions_no_longer_count
     assert requested.payload["why"] == old.reason
     assert requested.payload["voided"] == cancelled.payload["voided"]
     assert new.decisions.count() == 0
+    # the run's timeline says it in words
+    from runs.timeline import describe
+
+    assert describe("approval.cancelled", cancelled.payload).endswith(
+        "cancelled (policy_changed); voided (decide again): alice approved"
+    )
+    line = describe("approval.requested", requested.payload)
+    assert "from approver (at least 1 from finance)" in line
+    assert f"asked again, replacing #{old.id} (policy_changed: version 2" in line
+    assert line.endswith("voided (decide again): alice approved")
 
     client.force_login(fay)
+    timeline = client.get(reverse("runs:detail", args=[run.id])).content.decode()
+    assert "voided (decide again): alice approved" in timeline
     page = client.get(reverse("approvals:detail", args=[new.id])).content.decode()
     assert "Asked again" in page
     assert f"approval {old.id}" in page
     assert "not carried over" in page and "alice approved" in page
     old_page = client.get(reverse("approvals:detail", args=[old.id])).content.decode()
-    assert f'asked again as <a href="/approvals/{new.id}/">' in old_page
+    assert f'asked again as <a href="{reverse("approvals:detail", args=[new.id])}">' in old_page
 
 
 # --- withdrawal -------------------------------------------------------------------------------
