@@ -103,6 +103,11 @@ v1 = [
         name="policy-simulations",
     ),
     path(
+        "policies/<int:policy_id>/withdrawal/",
+        policy_api.PolicyWithdrawApi.as_view(),
+        name="policy-withdrawal",
+    ),
+    path(
         "policy-versions/<int:version_id>/",
         policy_api.PolicyVersionDetailApi.as_view(),
         name="policy-version",

@@ -283,19 +283,21 @@ class ApprovalPolicyVersionAdmin(ReadOnlyAdmin):
         "policy",
         "number",
         "status",
+        "withdraws",
         "created_by",
         "created_at",
         "published_by",
         "published_at",
         "approvals_required",
     ]
-    list_filter = ["status", "policy__tool_name"]
+    list_filter = ["status", "withdraws", "policy__tool_name"]
     search_fields = ["policy__tool_name", "note", "created_by__username", "published_by__username"]
     list_select_related = ["policy", "created_by", "published_by"]
     readonly_fields = [
         "policy",
         "number",
         "status",
+        "withdraws",
         "rules_shown",
         "time_zone",
         "note",

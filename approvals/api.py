@@ -53,12 +53,27 @@ class ApprovalSerializer(MaskedSerializerMixin, serializers.ModelSerializer):
         "them (unless you may view it).",
     )
     decisions = ApprovalDecisionSerializer(many=True)
+    dry_run = serializers.BooleanField(
+        source="run.dry_run",
+        help_text="The approval belongs to a dry run: approving it sends nothing, and it is "
+        "never used by a real dispatch.",
+    )
+    group_minimums = serializers.JSONField(
+        help_text='Per-group minimums within required_count ({"finance": 1}: at least one '
+        "approver from finance). Members of these groups may decide too."
+    )
+    policy_version = serializers.IntegerField(
+        source="policy_version_id",
+        allow_null=True,
+        help_text="The data policy version that required it (null: the tool's code policy).",
+    )
 
     class Meta:
         model = Approval
         fields = [
             "id",
             "run",
+            "dry_run",
             "tool_call",
             "tool_name",
             "tool_version",
@@ -67,6 +82,8 @@ class ApprovalSerializer(MaskedSerializerMixin, serializers.ModelSerializer):
             "status",
             "approver_group",
             "required_count",
+            "group_minimums",
+            "policy_version",
             "on_expiry",
             "requested_at",
             "expires_at",
@@ -114,7 +131,9 @@ class ApprovalDecisionInputSerializer(serializers.Serializer):
 
 def _approvals():
     decisions = ApprovalDecision.objects.select_related("decider")
-    return Approval.objects.prefetch_related(Prefetch("decisions", queryset=decisions))
+    return Approval.objects.select_related("run").prefetch_related(
+        Prefetch("decisions", queryset=decisions)
+    )
 
 
 class ApprovalListApi(generics.GenericAPIView):

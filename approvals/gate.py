@@ -13,7 +13,7 @@ from django.db.models.functions import Now
 from django.db.models.signals import post_save
 from django.dispatch import receiver
 
-from approvals import policies
+from approvals import policies, quorum
 from approvals.models import Approval, ApprovalDecision, ApprovalPolicyVersion
 from approvals.notify import links_create_and_email
 from runs.dbtime import db_now
@@ -26,15 +26,34 @@ def current_version(
 ) -> ApprovalPolicyVersion | None:
     """The published version of the most specific data policy for this tool, agent and
     principal's groups (agent and group > agent > group > the tool's own), or None: the
-    tool's code policy applies. One query."""
+    tool's code policy applies. A withdrawn policy (its current version a withdrawal) is
+    out of force: the next broader one applies. One query."""
     candidates = list(
         ApprovalPolicyVersion.objects.filter(
-            status=ApprovalPolicyVersion.Status.PUBLISHED, policy__tool_name=tool_name
+            status=ApprovalPolicyVersion.Status.PUBLISHED,
+            policy__tool_name=tool_name,
+            withdraws=False,
         )
         .filter(Q(policy__agent_name="") | Q(policy__agent_name=agent or ""))
         .filter(Q(policy__principal_group="") | Q(policy__principal_group__in=list(groups or ())))
         .select_related("policy")
     )
+    return most_specific(candidates, agent=agent, groups=groups)
+
+
+def most_specific(
+    candidates: list[ApprovalPolicyVersion], *, agent: str = "", groups: Any = ()
+) -> ApprovalPolicyVersion | None:
+    """Of published versions (of one tool's policies), the one that governs a call of
+    ``agent`` by a principal in ``groups`` (None: the code policy). Withdrawals are skipped."""
+    groups = set(groups or ())
+    candidates = [
+        v
+        for v in candidates
+        if not v.withdraws
+        and v.policy.agent_name in ("", agent or "")
+        and (not v.policy.principal_group or v.policy.principal_group in groups)
+    ]
     if not candidates:
         return None
     return max(
@@ -66,7 +85,7 @@ class PublishedTools:
         if tools is None or refresh <= 0 or now - self._read_at >= refresh:
             tools = frozenset(
                 ApprovalPolicyVersion.objects.filter(
-                    status=ApprovalPolicyVersion.Status.PUBLISHED
+                    status=ApprovalPolicyVersion.Status.PUBLISHED, withdraws=False
                 ).values_list("policy__tool_name", flat=True)
             )
             self._tools, self._read_at = tools, now
@@ -103,33 +122,87 @@ def verdict_of(
     )
 
 
-def approvals_by_group(approval: Approval, group: str) -> int:
-    """How many distinct people in ``group`` (or superusers) approved ``approval``."""
-    return (
+def approvers_of(approval: Approval) -> list[quorum.Approver]:
+    """Who approved ``approval``, with their groups as of now (two queries)."""
+    from django.contrib.auth import get_user_model
+
+    ids = list(
         ApprovalDecision.objects.filter(
             approval=approval, decision=ApprovalDecision.Decision.APPROVE
+        ).values_list("decider_id", flat=True)
+    )
+    users = get_user_model().objects.filter(pk__in=ids).prefetch_related("groups")
+    return [
+        quorum.Approver(
+            key=user.pk,
+            groups=frozenset(g.name for g in user.groups.all()),
+            superuser=user.is_superuser,
         )
-        .filter(Q(decider__groups__name=group) | Q(decider__is_superuser=True))
-        .values("decider")
-        .distinct()
-        .count()
+        for user in users
+    ]
+
+
+def quorum_of(approval: Approval) -> quorum.Quorum:
+    """Where ``approval`` stands against its own quorum ("1 of 2, needs 1 from finance")."""
+    return quorum.assess(
+        approvers_of(approval),
+        group=approval.approver_group,
+        required=approval.required_count,
+        minimums=approval.group_minimums,
     )
 
 
 def satisfies(approval: Approval, requirement: policies.Requirement) -> bool:
     """Whether what was approved meets ``requirement`` (the current policy's): enough
-    approvals from the group it names. A stricter policy is not met by fewer approvers, or
-    by approvers from another group; a looser one is."""
-    return approvals_by_group(approval, requirement.group) >= requirement.required
+    approvers from the groups it names, with each group's minimum filled. A stricter policy
+    is not met by fewer approvers, or by approvers from another group; a looser one is."""
+    return quorum.assess(
+        approvers_of(approval),
+        group=requirement.group,
+        required=requirement.required,
+        minimums=requirement.minimums,
+    ).met
 
 
 def pending_satisfies(approval: Approval, requirement: policies.Requirement) -> bool:
-    """Whether a pending approval asks at least what ``requirement`` asks: the same group
-    and no fewer approvers (it settles only once that many approved)."""
+    """Whether a pending approval asks at least what ``requirement`` asks: the same group,
+    no fewer approvers, no smaller minimum of any group, and no group allowed to decide
+    that ``requirement`` does not allow (it settles only once all that is met)."""
+    asked = approval.group_minimums or {}
+    wanted = requirement.minimums
     return (
         approval.approver_group == requirement.group
         and approval.required_count >= requirement.required
+        and all(asked.get(g, 0) >= n for g, n in wanted.items())
+        and set(approval.eligible_groups) <= {requirement.group, *wanted}
     )
+
+
+def code_requirement(tool) -> policies.Requirement:
+    """The tool's code policy as a requirement (what it asks when it asks)."""
+    code = tool.approval
+    return policies.Requirement(
+        group=code.group,
+        required=code.required,
+        ttl_seconds=code.ttl_seconds,
+        on_expiry=str(code.on_expiry),
+        escalate_to=code.escalate_to,
+        bearer_links=code.bearer_links,
+    )
+
+
+def voided_decisions(approval: Approval) -> list[dict[str, Any]]:
+    """The approvals people gave ``approval`` (cancelled now): named in the events that
+    cancel it and ask again, so nobody wonders where their approval went. They do not carry
+    over (docs/approvals.md, "When a policy changes")."""
+    return [
+        {"by": username, "decision": decision, "at": created_at.isoformat()}
+        for username, decision, created_at in ApprovalDecision.objects.filter(
+            approval=approval, decision__in=ApprovalDecision.DECIDING
+        )
+        .order_by("created_at")
+        .values_list("decider__username", "decision", "created_at")
+    ]
 
 
 def approval_create(
@@ -140,14 +213,7 @@ def approval_create(
     appended and each eligible approver emailed after the commit."""
     if requirement is None:
         code = tool.approval
-        requirement = policies.Requirement(
-            group=code.group,
-            required=code.required,
-            ttl_seconds=code.ttl_seconds,
-            on_expiry=str(code.on_expiry),
-            escalate_to=code.escalate_to,
-            bearer_links=code.bearer_links,
-        )
+        requirement = code_requirement(tool)
         allow_self, separate = code.allow_self_approval, code.separate_duties
     else:
         allow_self, separate = False, True
@@ -161,6 +227,7 @@ def approval_create(
         arguments_masked=call.arguments_masked,
         approver_group=requirement.group,
         required_count=requirement.required,
+        group_minimums=requirement.minimums,
         allow_self_approval=allow_self,
         require_login=not requirement.bearer_links,
         separate_duties=separate,
@@ -179,6 +246,7 @@ def approval_create(
         arguments=call.arguments_masked,
         group=requirement.group,
         required=requirement.required,
+        from_groups=requirement.minimums,
         expires_at=approval.expires_at.isoformat(),
         policy_version=version_id,
         **event,
@@ -215,6 +283,24 @@ class ApprovalsGate:
         verdict = self.assess(
             run=run, tool=tool, arguments=call.arguments, facts=recorded_facts(run, call)
         )
+        # asked again (the dispatch found the last one superseded or short of the current
+        # policy: ``cancel`` ran just before, in this transaction): say which approval this
+        # replaces and whose decisions on it no longer count
+        previous = (
+            Approval.objects.filter(tool_call=call, status=Approval.Status.CANCELLED)
+            .order_by("-id")
+            .first()
+        )
+        again: dict[str, Any] = {}
+        if (
+            previous is not None
+            and not Approval.objects.filter(tool_call=call, id__gt=previous.id).exists()
+        ):
+            again = {
+                "replaces": previous.id,
+                "why": previous.reason,
+                "voided": voided_decisions(previous),
+            }
         # a data policy's requirement when one asks; otherwise (no data policy, or a
         # re-request its current version would allow) the tool's code policy
         approval_create(
@@ -223,6 +309,7 @@ class ApprovalsGate:
             tool=tool,
             requirement=verdict.requirement if verdict.needs_approval else None,
             version_id=verdict.policy_version if verdict.needs_approval else None,
+            **again,
         )
 
     def consume(self, *, cp, call, tool, verdict=None) -> None:
@@ -242,17 +329,33 @@ class ApprovalsGate:
                     f"the current policy (version {version.number}) denies this call",
                     reason="policy_changed",
                 )
-        if verdict is not None and verdict.needs_approval and verdict.requirement is not None:
-            # the current data policy, re-evaluated in this transaction: an approval given
-            # under a looser one (fewer approvers, another group) is withdrawn and asked
-            # again — never used for a call the current rules would not let through
+        elif verdict is not None and verdict.policy_version is not None:
+            verdict = code_verdict(tool, call.arguments)  # the data policy was withdrawn
+        if verdict is not None and verdict.needs_approval:
+            # the current policy, re-evaluated in this transaction: an approval given under
+            # a looser one (fewer approvers, another group, a group's minimum unmet) is
+            # withdrawn and asked again — never used for a call the current rules would not
+            # let through. The code policy is checked too for an approval a data policy
+            # asked for (the data policy was withdrawn since); approvals the code policy
+            # asked for keep their own rules.
             approval = Approval.objects.filter(
                 tool_call=call, status=Approval.Status.APPROVED, consumed_at__isnull=True
             ).first()
-            if approval is not None and not satisfies(approval, verdict.requirement):
+            requirement = verdict.requirement
+            if (
+                requirement is None
+                and approval is not None
+                and approval.policy_version_id is not None
+            ):
+                requirement = code_requirement(tool)
+            if (
+                requirement is not None
+                and approval is not None
+                and not satisfies(approval, requirement)
+            ):
                 raise GateRefused(
                     f"the approval no longer satisfies the current policy: it needs "
-                    f"{verdict.requirement.describe()}",
+                    f"{requirement.describe()}",
                     reason="policy_changed",
                 )
         # One conditional UPDATE: an approval is consumed exactly once, and only while it is
@@ -282,4 +385,6 @@ class ApprovalsGate:
             approval.status = Approval.Status.CANCELLED
             approval.reason = reason
             approval.save(update_fields=["status", "reason"])
-            cp.event(EventType.APPROVAL_CANCELLED, approval=approval.id, reason=reason)
+            voided = voided_decisions(approval)
+            extra = {"voided": voided} if voided else {}
+            cp.event(EventType.APPROVAL_CANCELLED, approval=approval.id, reason=reason, **extra)

@@ -38,6 +38,9 @@ class Approval(models.Model):
     arguments_masked = models.JSONField(default=dict)
     approver_group = models.CharField(max_length=150)
     required_count = models.PositiveSmallIntegerField(default=1)
+    # per-group minimums within ``required_count`` ({"finance": 1}: at least one of the
+    # approvers from finance); their members may decide too (approvals.quorum)
+    group_minimums = models.JSONField(default=dict, blank=True)
     allow_self_approval = models.BooleanField(default=False)
     # email links must be used by their approver, signed in (every policy but one with
     # ``bearer_links``, a 1-of-1 opt-in)
@@ -86,6 +89,14 @@ class Approval(models.Model):
 
     def __str__(self) -> str:
         return f"approval {self.id} for {self.tool_name} ({self.status})"
+
+    @property
+    def eligible_groups(self) -> list[str]:
+        """Whose members may decide: the approval's group, then each group with a minimum."""
+        return [
+            self.approver_group,
+            *(g for g in sorted(self.group_minimums or {}) if g != self.approver_group),
+        ]
 
 
 class ApprovalDecision(models.Model):
@@ -231,6 +242,9 @@ class ApprovalPolicyVersion(models.Model):
     published_at = models.DateTimeField(null=True, blank=True)
     # what the simulation last run on this draft found (counts), for the publish page
     simulated = models.JSONField(null=True, blank=True)
+    # a withdrawal: published, it takes the policy out of force (no rules of its own): the
+    # next broader data policy applies, or the tool's code policy
+    withdraws = models.BooleanField(default=False)
 
     # the fields that may change after the version is written: its publication
     MUTABLE = frozenset({"status", "published_by", "published_at", "simulated"})

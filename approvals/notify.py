@@ -22,6 +22,7 @@ from django.template.loader import render_to_string
 
 from approvals import selectors
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
+from approvals.policies import describe_quorum
 from runs import jsonlimits, links, outbox
 from runs.masking import masker_for
 from runs.models import Run, ToolCall
@@ -40,11 +41,12 @@ RISK = {
 
 
 def eligible_approvers(approval: Approval, *, principal_id: Any) -> list[Any]:
-    """Active members of the approval's group with an email address who may decide it and
-    have not decided yet; the run's principal only when the policy allows self-approval."""
+    """Active members of the approval's groups (its own, and each with a minimum) with an
+    email address who may decide it and have not decided yet, and whose approval would
+    still count; the run's principal only when the policy allows self-approval."""
     users = (
         get_user_model()
-        .objects.filter(is_active=True, groups__name=approval.approver_group)
+        .objects.filter(is_active=True, groups__name__in=approval.eligible_groups)
         .exclude(email="")
         .exclude(
             pk__in=ApprovalDecision.objects.filter(
@@ -60,6 +62,7 @@ def eligible_approvers(approval: Approval, *, principal_id: Any) -> list[Any]:
         for user in users
         if user.has_perm("approvals.decide_approval")
         and not selectors.duty_conflict(user=user, approval=approval, principal_id=principal_id)
+        and not selectors.quorum_refusal(user=user, approval=approval)
     ]
 
 
@@ -109,6 +112,8 @@ NOTICE_KIND = "approval.notice"
 
 
 def _context(approval: Approval) -> dict[str, Any]:
+    from approvals.gate import quorum_of
+
     run = Run.objects.select_related("principal").get(id=approval.run_id)
     call = ToolCall.objects.select_related("step").get(id=approval.tool_call_id)
     return {
@@ -122,6 +127,14 @@ def _context(approval: Approval) -> dict[str, Any]:
         "risk": call.effect,
         "risk_text": RISK.get(call.effect, call.effect),
         "decisions": list(approval.decisions.select_related("decider")),
+        # who must approve ("2 approvers from approver or finance, at least 1 from
+        # finance") and where it stands ("1 of 2, needs 1 from finance")
+        "quorum_text": describe_quorum(
+            approval.approver_group, approval.required_count, approval.group_minimums
+        ),
+        "standing": quorum_of(approval).describe(),
+        # a dry run's approval: its subject says so too
+        "dry": "[dry run] " if run.dry_run else "",
     }
 
 
@@ -156,7 +169,7 @@ def render_request(row: Any) -> EmailMultiAlternatives | None:
     context = _context(approval)
     prefix = "Reminder: approval" if kind == ApprovalLink.Kind.REMINDER else "Approval"
     subject = (
-        f"{prefix} needed: {context['summary']} (run {str(approval.run_id)[:8]}, "
+        f"{context['dry']}{prefix} needed: {context['summary']} (run {str(approval.run_id)[:8]}, "
         f"{context['run'].agent_name})"
     )
     link_text = links.link_url("approvals:link", row.payload["seed"])
@@ -176,7 +189,7 @@ def render_notice(row: Any) -> EmailMultiAlternatives | None:
     principal = context["run"].principal
     what = row.payload["what"]
     subject = (
-        f"Approval {what}: {context['summary']} (run {str(approval.run_id)[:8]}, "
+        f"{context['dry']}Approval {what}: {context['summary']} (run {str(approval.run_id)[:8]}, "
         f"{context['run'].agent_name})"
     )
     return _message(

@@ -40,16 +40,30 @@ MIN_TTL = 60
 MAX_TTL = 30 * 24 * 3600
 DEFAULT_TTL = 24 * 3600
 RULE_KEYS = {"when", "decide", "reason", "approval", "name"}
-APPROVAL_KEYS = {"group", "required", "ttl_seconds", "on_expiry", "escalate_to", "bearer_links"}
+APPROVAL_KEYS = {
+    "group",
+    "required",
+    "from_groups",
+    "ttl_seconds",
+    "on_expiry",
+    "escalate_to",
+    "bearer_links",
+}
 
 
 @dataclass(frozen=True)
 class Requirement:
     """What a ``require_approval`` rule asks: how many approvers, from which group, for how
-    long, what happens at expiry, and whether a link's token alone may decide."""
+    long, what happens at expiry, and whether a link's token alone may decide.
+
+    ``from_groups``: per-group minimums within ``required`` ("two approvers, at least one
+    from finance": ``required`` 2, ``from_groups`` (("finance", 1),)). Members of those
+    groups may decide too; each approver fills at most one group's seat
+    (``approvals.quorum``)."""
 
     group: str = "approver"
     required: int = 1
+    from_groups: tuple[tuple[str, int], ...] = ()
     ttl_seconds: int = DEFAULT_TTL
     on_expiry: str = "reject"
     escalate_to: str = ""
@@ -61,20 +75,25 @@ class Requirement:
         return cls(
             group=spec.get("group") or "approver",
             required=int(spec.get("required") or 1),
+            from_groups=tuple(sorted((str(g), int(n)) for g, n in minimums_of(spec).items())),
             ttl_seconds=int(spec.get("ttl_seconds") or DEFAULT_TTL),
             on_expiry=spec.get("on_expiry") or "reject",
             escalate_to=spec.get("escalate_to") or "",
             bearer_links=bool(spec.get("bearer_links", False)),
         )
 
+    @property
+    def minimums(self) -> dict[str, int]:
+        return dict(self.from_groups)
+
     def describe(self) -> str:
-        who = "1 approver" if self.required == 1 else f"{self.required} approvers"
-        return f"{who} from {self.group}"
+        return describe_quorum(self.group, self.required, self.minimums)
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "group": self.group,
             "required": self.required,
+            "from_groups": self.minimums,
             "ttl_seconds": self.ttl_seconds,
             "on_expiry": self.on_expiry,
             "escalate_to": self.escalate_to,
@@ -104,8 +123,31 @@ class Outcome:
         req = self.requirement
         return (
             self.decision,
-            (req.group, req.required) if req is not None and self.decision != "allow" else None,
+            (req.group, req.required, req.from_groups)
+            if req is not None and self.decision != "allow"
+            else None,
         )
+
+
+def minimums_of(spec: dict[str, Any] | None) -> dict[str, int]:
+    """A rule's ``from_groups`` as {group: minimum} (what validation let through)."""
+    value = (spec or {}).get("from_groups") or {}
+    if not isinstance(value, dict):
+        return {}
+    return {
+        str(g): n for g, n in value.items() if isinstance(n, int) and not isinstance(n, bool) and n
+    }
+
+
+def describe_quorum(group: str, required: int, minimums: dict[str, int] | None = None) -> str:
+    """ "2 approvers from approver or finance, at least 1 from finance" """
+    minimums = {g: n for g, n in (minimums or {}).items() if n}
+    who = "1 approver" if required == 1 else f"{required} approvers"
+    pool = [group, *(g for g in sorted(minimums) if g != group)]
+    text = f"{who} from {' or '.join(pool)}"
+    if minimums:
+        text += ", at least " + " and ".join(f"{n} from {g}" for g, n in sorted(minimums.items()))
+    return text
 
 
 _ENV = celpy.Environment()
@@ -358,6 +400,34 @@ def validate(
                     add(where, "on_expiry escalate needs escalate_to (a group)")
                 elif escalate_to not in groups:
                     add(where, f"no group named {escalate_to!r}")
+            from_groups = spec.get("from_groups", {})
+            if not isinstance(from_groups, dict):
+                add(where, 'from_groups must be an object: {"finance": 1}')
+            else:
+                for name, minimum in from_groups.items():
+                    if name not in groups:
+                        add(where, f"from_groups: no group named {name!r}")
+                    if (
+                        not isinstance(minimum, int)
+                        or isinstance(minimum, bool)
+                        or not 1 <= minimum <= MAX_REQUIRED
+                    ):
+                        add(
+                            where,
+                            f"from_groups: {name!r} needs a whole number from 1 to {MAX_REQUIRED}",
+                        )
+                total = sum(
+                    n
+                    for n in from_groups.values()
+                    if isinstance(n, int) and not isinstance(n, bool)
+                )
+                if isinstance(required, int) and total > required:
+                    add(
+                        where,
+                        f"from_groups asks for {total} approvers but required is {required}: "
+                        "each approver counts for one group, so required must be at least "
+                        "the sum of the minimums",
+                    )
             if spec.get("bearer_links") and required != 1:
                 add(
                     where,

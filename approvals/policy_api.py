@@ -1,5 +1,6 @@
 """The approval policy API (docs/api.md, "Approval policies"): list and read policies and
-versions, draft a version, simulate a version or rules not yet drafted, publish — through
+versions, draft a version, simulate a version or rules not yet drafted, publish, withdraw a
+policy (a version published like any other) — through
 ``approvals.policy_services``, the functions the console uses. Domain errors are 4xx with a
 code: ``validation_error`` (with ``fields`` by rule), ``invalid_state`` (not a draft, or
 drafted against a version no longer current), ``permission_denied`` (not an admin, or the
@@ -19,6 +20,7 @@ from approvals.policy_services import (
     policy_simulate,
     policy_version_draft,
     policy_version_publish,
+    policy_withdraw,
 )
 from runs.actors import PermissionDenied
 from runs.api import _reject_null_characters
@@ -61,6 +63,7 @@ class PolicyVersionSerializer(serializers.ModelSerializer):
             "published_by",
             "published_at",
             "simulated",
+            "withdraws",
         ]
         read_only_fields = fields
 
@@ -92,6 +95,21 @@ class DraftInputSerializer(serializers.Serializer):
     def validate_rules(self, value):
         _reject_null_characters(value)
         return value
+
+    def validate_note(self, value):
+        _reject_null_characters(value)
+        return value
+
+
+class WithdrawInputSerializer(serializers.Serializer):
+    note = TextField(max_length=2000, help_text="Why: recorded with the withdrawal.")
+    based_on = serializers.IntegerField(
+        required=False,
+        allow_null=True,
+        default=None,
+        help_text="The published version you mean to withdraw: refused (invalid_state) if "
+        "another was published since.",
+    )
 
     def validate_note(self, value):
         _reject_null_characters(value)
@@ -235,3 +253,27 @@ class PolicyRulesSimulateApi(APIView):
             days=data["days"],
         )
         return Response(simulation.as_dict())
+
+
+class PolicyWithdrawApi(APIView):
+    @extend_schema(
+        summary="Draft the policy's withdrawal (published by another admin, like any version)",
+        description="A version with no rules (``withdraws``: true). Once published, the "
+        "policy is out of force: a broader data policy of the tool, or the tool's code "
+        "policy, governs its calls again.",
+        request=WithdrawInputSerializer,
+        responses={
+            201: PolicyVersionSerializer,
+            **errors("validation_error", "invalid_state", "not_found"),
+        },
+    )
+    def post(self, request, policy_id):
+        payload = WithdrawInputSerializer(data=request.data)
+        payload.is_valid(raise_exception=True)
+        version = policy_withdraw(
+            actor=actor_for(request),
+            policy_id=policy_id,
+            note=payload.validated_data["note"],
+            based_on=payload.validated_data["based_on"],
+        )
+        return Response(PolicyVersionSerializer(_versions().get(id=version.id)).data, status=201)

@@ -16,10 +16,19 @@ from django.db import transaction
 from django.utils import timezone
 
 from approvals import policies
-from approvals.gate import approval_create, current_version, pending_satisfies, verdict_of
+from approvals.gate import (
+    approval_create,
+    code_requirement,
+    current_version,
+    most_specific,
+    pending_satisfies,
+    verdict_of,
+    voided_decisions,
+)
 from approvals.models import Approval, ApprovalPolicy, ApprovalPolicyVersion
 from runs.actors import Actor, PermissionDenied
 from runs.audit.entries import audit_record
+from runs.errors import NotFound
 from runs.gate import Verdict, code_verdict, policy_facts
 from runs.models import ToolCall
 from runs.record.checkpoint import checkpoint
@@ -83,6 +92,7 @@ def _snapshot(version: ApprovalPolicyVersion) -> dict[str, Any]:
         "rules": version.rules,
         "time_zone": version.time_zone,
         "note": version.note,
+        "withdraws": version.withdraws,
     }
 
 
@@ -161,6 +171,54 @@ def policy_version_discard(*, actor: Actor, version_id: Any) -> ApprovalPolicyVe
     return version
 
 
+def policy_withdraw(
+    *, actor: Actor, policy_id: Any, note: str, based_on: int | None = None
+) -> ApprovalPolicyVersion:
+    """Draft the policy's withdrawal: a version with no rules of its own that, once
+    published (by another admin, like any version), takes the policy out of force — the
+    next broader data policy applies to its calls, or the tool's code policy. Versioned and
+    audited like any change; drafting a new version afterwards puts a policy back."""
+    actor.require(MANAGE)
+    if not (note or "").strip():
+        raise PolicyInvalid({"note": ["say why: every version records the reason for it"]})
+    if len(note) > NOTE_MAX:
+        raise PolicyInvalid({"note": [f"at most {NOTE_MAX} characters"]})
+    with transaction.atomic():
+        try:
+            policy = ApprovalPolicy.objects.select_for_update().get(id=policy_id)
+        except ApprovalPolicy.DoesNotExist:
+            raise NotFound("no such policy") from None
+        current = policy.versions.filter(status=ApprovalPolicyVersion.Status.PUBLISHED).first()
+        if current is None or current.withdraws:
+            raise PolicyConflict(
+                "nothing to withdraw: no version of this policy is in force "
+                "(the tool's code policy applies already)"
+            )
+        if based_on is not None and current.id != based_on:
+            raise PolicyConflict("the published version changed since you looked at it: look again")
+        last = policy.versions.order_by("-number").values_list("number", flat=True).first()
+        version = ApprovalPolicyVersion.objects.create(
+            policy=policy,
+            number=(last or 0) + 1,
+            rules=[],
+            time_zone=current.time_zone,
+            note=note.strip(),
+            based_on=current,
+            created_by=actor.user,
+            withdraws=True,
+        )
+        audit_record(
+            action="policy.withdrawal_drafted",
+            actor=actor.label,
+            channel=actor.channel,
+            object_type="approval_policy_version",
+            object_id=version.id,
+            before=_snapshot(current),
+            after=_snapshot(version),
+        )
+    return version
+
+
 @dataclass
 class Republished:
     """What publishing did to the tool's open approvals."""
@@ -206,7 +264,8 @@ def policy_version_publish(
                 f"version {current.number if current else '?'} was published after this draft "
                 "was written: publishing it would undo that change; draft again from it"
             )
-        # the rules are validated again: a group may have been deleted since
+        # the rules are validated again: a group may have been deleted since (a withdrawal
+        # has none)
         version_validate(
             tool_name=policy.tool_name,
             rules=version.rules,
@@ -221,7 +280,7 @@ def policy_version_publish(
         version.published_at = timezone.now()
         version.save(update_fields=["status", "published_by", "published_at"])
         audit_record(
-            action="policy.published",
+            action="policy.withdrawn" if version.withdraws else "policy.published",
             actor=actor.label,
             channel=actor.channel,
             request=request,
@@ -236,6 +295,10 @@ def policy_version_publish(
 
 def _recheck_pending(tool_name: str, *, actor: Actor) -> Republished:
     done = Republished()
+    try:
+        tool = registry.tool(tool_name)
+    except UnknownTool:
+        tool = None
     pending = list(
         Approval.objects.filter(tool_name=tool_name, status=Approval.Status.PENDING)
         .order_by("id")
@@ -251,24 +314,36 @@ def _recheck_pending(tool_name: str, *, actor: Actor) -> Republished:
             version = current_version(
                 tool_name, agent=facts.get("agent", ""), groups=facts.get("groups", ())
             )
-            if version is None:
-                continue  # a policy of another scope: this call is governed elsewhere
-            verdict = verdict_of(
-                version, tool_name=tool_name, arguments=call.arguments, facts=facts
-            )
+            if version is not None:
+                verdict = verdict_of(
+                    version, tool_name=tool_name, arguments=call.arguments, facts=facts
+                )
+                requirement = verdict.requirement
+                why = f"version {version.number}"
+            elif approval.policy_version_id is not None and tool is not None:
+                # asked by a data policy that is no longer in force (withdrawn): the
+                # tool's code policy governs it now
+                verdict = code_verdict(tool, call.arguments)
+                requirement = code_requirement(tool)
+                why = "the data policy was withdrawn: the code policy applies"
+            else:
+                continue  # the code policy asked, and still governs: nothing changed
             if verdict.outcome == Verdict.ALLOW or (
-                verdict.needs_approval and pending_satisfies(approval, verdict.requirement)
+                verdict.needs_approval and pending_satisfies(approval, requirement)
             ):
                 done.still_pending.append(approval.id)
                 continue
             approval.status = Approval.Status.CANCELLED
-            approval.reason = f"policy_changed: version {version.number}"
+            approval.reason = f"policy_changed: {why}"
             approval.save(update_fields=["status", "reason"])
+            # whose decisions this voids: they are not carried over to the new request
+            voided = voided_decisions(approval)
             cp.event(
                 EventType.APPROVAL_CANCELLED,
                 approval=approval.id,
                 reason="policy_changed",
-                policy_version=version.id,
+                policy_version=version.id if version is not None else None,
+                voided=voided,
             )
             if verdict.denied:
                 toolcall_gate_settled(
@@ -279,9 +354,12 @@ def _recheck_pending(tool_name: str, *, actor: Actor) -> Republished:
             fresh = approval_create(
                 cp=cp,
                 call=call,
-                requirement=verdict.requirement,
-                version_id=version.id,
+                tool=tool,
+                requirement=requirement if version is not None else None,
+                version_id=version.id if version is not None else None,
                 replaces=approval.id,
+                why=approval.reason,
+                voided=voided,
             )
             done.rerequested.append(fresh.id)
     return done
@@ -319,10 +397,13 @@ class SimulatedCall:
     decided_at: str
     principal: str
     spend: str
+    # what the policy in force today says ("before") and which policy that is
     before: str
+    before_policy: str
     after: str
     change: str
     reconstructed: bool
+    dry_run: bool = False
 
 
 @dataclass
@@ -335,10 +416,21 @@ class Simulation:
     calls: list[SimulatedCall]
     counts: dict[str, int]
     truncated: bool
+    limit: int = SIMULATE_MAX_CALLS
 
     @property
     def changed(self) -> list[SimulatedCall]:
         return [c for c in self.calls if c.change != Change.UNCHANGED]
+
+    @property
+    def truncation_note(self) -> str:
+        """Said wherever the result is shown: a capped replay is never silent."""
+        if not self.truncated:
+            return ""
+        return (
+            f"only the newest {self.limit:,} calls were replayed: older calls of the period "
+            "were not (shorten the period to see them all)"
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -348,7 +440,10 @@ class Simulation:
             "since": self.since.isoformat(),
             "compared_with": self.compared_with,
             "counts": self.counts,
+            "calls_replayed": len(self.calls),
             "truncated": self.truncated,
+            "limit": self.limit,
+            "truncation_note": self.truncation_note,
             "changed": [c.__dict__ for c in self.changed],
         }
 
@@ -371,11 +466,14 @@ def _classify(before: tuple, after: tuple) -> str:
 def policy_simulate(*, actor: Actor, version_id: Any, days: int = 7) -> Simulation:
     """Replay the tool's calls of the last ``days`` days against a version: each call is
     evaluated on the facts recorded when it was decided (principal, groups, spend so far,
-    time) by the policy in force now — the current published version, or the tool's code
-    policy — and by ``version``, and the differences are listed. Calls decided before facts
-    were recorded are evaluated on what the record still has (the run's principal today,
-    the call's time, no spend) and marked ``reconstructed``. Reads only; the result's counts
-    are kept on the draft for the publish page."""
+    time) by the policy in force today for that call — the most specific published data
+    policy that reaches it, or the tool's code policy — and by the policies as they would
+    be with ``version`` published (a withdrawal: without this policy), and the differences
+    are listed. Calls decided before facts were recorded are evaluated on what the record
+    still has (the run's principal today, the call's time, no spend) and marked
+    ``reconstructed``. At most ``SIMULATE_MAX_CALLS`` calls, the newest, are replayed
+    (``truncated`` says so). Reads only; the result's counts are kept on the draft for the
+    publish page."""
     actor.require(MANAGE)
     if not isinstance(days, int) or not 1 <= days <= SIMULATE_MAX_DAYS:
         raise InvalidInput(f"days must be a whole number from 1 to {SIMULATE_MAX_DAYS}")
@@ -388,6 +486,9 @@ def policy_simulate(*, actor: Actor, version_id: Any, days: int = 7) -> Simulati
             "days": days,
             "calls": len(simulation.calls),
             "counts": simulation.counts,
+            "compared_with": simulation.compared_with,
+            "truncated": simulation.truncated,
+            "truncation_note": simulation.truncation_note,
         }
         version.save(update_fields=["simulated"])
     return simulation
@@ -421,6 +522,16 @@ def policy_rules_simulate(
     return simulate(unsaved, days=days)
 
 
+def _label(version: ApprovalPolicyVersion | None, policy: ApprovalPolicy) -> str:
+    if version is None:
+        return "the code policy"
+    if version.policy_id == policy.pk:
+        return f"version {version.number}"
+    return (
+        f"version {version.number} of the policy{version.policy.scope_label or ' for every agent'}"
+    )
+
+
 def simulate(version: ApprovalPolicyVersion, *, days: int) -> Simulation:
     policy = version.policy
     tool_name = policy.tool_name
@@ -428,14 +539,24 @@ def simulate(version: ApprovalPolicyVersion, *, days: int) -> Simulation:
         tool = registry.tool(tool_name)
     except UnknownTool:
         tool = None
-    current = (
-        policy.versions.filter(status=ApprovalPolicyVersion.Status.PUBLISHED).first()
-        if policy.pk is not None
-        else None
+    published = list(
+        ApprovalPolicyVersion.objects.filter(
+            status=ApprovalPolicyVersion.Status.PUBLISHED, policy__tool_name=tool_name
+        ).select_related("policy")
     )
-    if current is not None and current.id == version.id:
-        current = current.based_on
-    compared_with = f"version {current.number}" if current is not None else "the code policy"
+    others = [v for v in published if policy.pk is None or v.policy_id != policy.pk]
+    own = next((v for v in published if policy.pk is not None and v.policy_id == policy.pk), None)
+    if own is not None and own.id == version.id:
+        # the published version itself: compared with the one it replaced
+        own = version.based_on
+    # today's policies, and the same with this version in force (a withdrawal: without
+    # this policy); each call is governed by the most specific one that reaches it
+    today = others + ([own] if own is not None else [])
+    proposed = others + ([version] if not version.withdraws else [])
+    scope_groups = [policy.principal_group] if policy.principal_group else []
+    compared_with = _label(
+        most_specific(today, agent=policy.agent_name, groups=scope_groups), policy
+    )
     since = timezone.now() - timedelta(days=days)
     rows = (
         ToolCall.objects.filter(tool_name=tool_name, created_at__gte=since)
@@ -466,15 +587,16 @@ def simulate(version: ApprovalPolicyVersion, *, days: int) -> Simulation:
             }
         if policy.principal_group and policy.principal_group not in facts.get("groups", []):
             continue  # the policy's scope does not reach this call's principal
-        if current is not None:
-            before_v = verdict_of(
-                current, tool_name=tool_name, arguments=call.arguments, facts=facts
-            )
-        elif tool is not None:
-            before_v = code_verdict(tool, call.arguments)
-        else:
-            before_v = Verdict(Verdict.ALLOW)
-        after_v = verdict_of(version, tool_name=tool_name, arguments=call.arguments, facts=facts)
+        agent, groups = facts.get("agent", ""), facts.get("groups", ())
+        in_force = most_specific(today, agent=agent, groups=groups)
+        before_v = _verdict(in_force, tool, tool_name, call.arguments, facts)
+        after_v = _verdict(
+            most_specific(proposed, agent=agent, groups=groups),
+            tool,
+            tool_name,
+            call.arguments,
+            facts,
+        )
         change = _classify(_key(before_v, tool), _key(after_v, tool))
         counts[change] += 1
         results.append(
@@ -488,9 +610,11 @@ def simulate(version: ApprovalPolicyVersion, *, days: int) -> Simulation:
                 principal=str(facts.get("principal", "")),
                 spend=str(facts.get("spend", "")),
                 before=_describe(before_v, tool),
+                before_policy=_label(in_force, policy),
                 after=_describe(after_v, tool),
                 change=change,
                 reconstructed=reconstructed,
+                dry_run=call.run.dry_run,
             )
         )
     return Simulation(
@@ -502,27 +626,39 @@ def simulate(version: ApprovalPolicyVersion, *, days: int) -> Simulation:
         calls=results,
         counts={key: counts.get(key, 0) for key in Change.LABELS},
         truncated=truncated,
+        limit=SIMULATE_MAX_CALLS,
     )
+
+
+def _verdict(
+    version: ApprovalPolicyVersion | None, tool: Any, tool_name: str, arguments: Any, facts: Any
+) -> Verdict:
+    if version is not None:
+        return verdict_of(version, tool_name=tool_name, arguments=arguments, facts=facts)
+    if tool is not None:
+        return code_verdict(tool, arguments)
+    return Verdict(Verdict.ALLOW)
+
+
+def _requirement(verdict: Verdict, tool: Any) -> policies.Requirement | None:
+    if verdict.requirement is not None:
+        return verdict.requirement
+    return code_requirement(tool) if tool is not None else None
 
 
 def _key(verdict: Verdict, tool: Any) -> tuple:
     if not verdict.needs_approval:
         return (verdict.outcome,)
-    req = verdict.requirement
+    req = _requirement(verdict, tool)
     if req is None:
-        if tool is None:
-            return (verdict.outcome,)
-        return (verdict.outcome, tool.approval.group, tool.approval.required)
-    return (verdict.outcome, req.group, req.required)
+        return (verdict.outcome,)
+    return (verdict.outcome, req.group, req.required, req.from_groups)
 
 
 def _describe(verdict: Verdict, tool: Any) -> str:
     if verdict.denied:
         return f"deny ({verdict.reason})" if verdict.reason else "deny"
     if verdict.needs_approval:
-        req = verdict.requirement
-        if req is None and tool is not None:
-            code = tool.approval
-            req = policies.Requirement(group=code.group, required=code.required)
+        req = _requirement(verdict, tool)
         return f"require approval ({req.describe()})" if req else "require approval"
     return "allow"

@@ -25,6 +25,7 @@ from approvals import policies
 from approvals.models import ApprovalPolicy, ApprovalPolicyVersion
 from approvals.policy_services import (
     MANAGE,
+    SIMULATE_MAX_CALLS,
     SIMULATE_MAX_DAYS,
     Change,
     PolicyConflict,
@@ -33,6 +34,7 @@ from approvals.policy_services import (
     policy_version_discard,
     policy_version_draft,
     policy_version_publish,
+    policy_withdraw,
 )
 from runs.actors import Actor, PermissionDenied
 from runs.registry import Effect, registry
@@ -117,9 +119,50 @@ def policy_detail(request: HttpRequest, policy_id: int) -> HttpResponse:
             "policy": policy,
             "versions": versions,
             "current": current,
+            "withdrawal_pending": any(v.withdraws and v.status == "draft" for v in versions),
             "can_manage": _can_manage(request),
         },
     )
+
+
+class WithdrawForm(forms.Form):
+    note = forms.CharField(
+        max_length=2000,
+        widget=forms.Textarea(attrs={"rows": 2}),
+        label="Why (recorded with the withdrawal)",
+    )
+    based_on = forms.IntegerField(required=False, widget=forms.HiddenInput)
+
+
+@login_required
+@require_POST
+def policy_withdraw_view(request: HttpRequest, policy_id: int) -> HttpResponse:
+    """Draft the policy's withdrawal (another admin publishes it, like any version)."""
+    policy = get_object_or_404(ApprovalPolicy, id=policy_id)
+    form = WithdrawForm(request.POST)
+    if not form.is_valid():
+        messages.error(
+            request, "Nothing was withdrawn: " + " ".join(form.errors.get("note", ["say why"]))
+        )
+        return redirect("approvals:policy", policy_id=policy.id)
+    try:
+        version = policy_withdraw(
+            actor=Actor.for_user(request.user, "web"),
+            policy_id=policy.id,
+            note=form.cleaned_data["note"],
+            based_on=form.cleaned_data.get("based_on"),
+        )
+    except PermissionDenied as exc:
+        return HttpResponse(str(exc), status=403)
+    except (PolicyConflict, PolicyInvalid) as exc:
+        messages.error(request, f"Nothing was withdrawn: {exc}")
+        return redirect("approvals:policy", policy_id=policy.id)
+    messages.success(
+        request,
+        f"Withdrawal drafted as version {version.number}. Simulate it, then ask another admin "
+        "to publish it: until then the current version stays in force.",
+    )
+    return redirect("approvals:policy_version", version_id=version.id)
 
 
 def _rule_rows(rules: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -164,9 +207,11 @@ def _duration(seconds: int) -> str:
 def _document(version: ApprovalPolicyVersion | None) -> list[str]:
     if version is None:
         return []
-    text = json.dumps(
-        {"time_zone": version.time_zone, "rules": version.rules}, indent=2, sort_keys=True
-    )
+    document: dict[str, Any] = {"time_zone": version.time_zone, "rules": version.rules}
+    if version.withdraws:
+        # a withdrawal's one difference that is not in its (empty) rules
+        document["withdraws"] = True
+    text = json.dumps(document, indent=2, sort_keys=True)
     return text.splitlines()
 
 
@@ -214,6 +259,7 @@ def version_detail(request: HttpRequest, version_id: int) -> HttpResponse:
         "can_manage": _can_manage(request),
         "is_drafter": version.created_by_id == request.user.pk,
         "max_days": SIMULATE_MAX_DAYS,
+        "simulation_limit": SIMULATE_MAX_CALLS,
         "labels": Change.LABELS,
     }
     return render(request, "approvals/policy_version.html", context)
@@ -241,10 +287,12 @@ def version_simulate(request: HttpRequest, version_id: int) -> HttpResponse:
         error = str(exc)
     context = {
         "version": version,
+        "policy": version.policy,
         "simulation": simulation,
         "error": error,
         "days": days,
         "max_days": SIMULATE_MAX_DAYS,
+        "simulation_limit": SIMULATE_MAX_CALLS,
         "labels": Change.LABELS,
         "can_manage": _can_manage(request),
     }
@@ -280,6 +328,12 @@ def version_publish(request: HttpRequest, version_id: int) -> HttpResponse:
         messages.error(request, str(exc))
         return redirect("approvals:policy_version", version_id=version.id)
     summary = f"Version {published.number} is now the policy for {published.policy.tool_name}."
+    if published.withdraws:
+        summary = (
+            f"Version {published.number} withdrew the policy for "
+            f"{published.policy.tool_name}{published.policy.scope_label}: the tool's code "
+            "policy (or a broader data policy) applies."
+        )
     if done.rerequested:
         summary += f" {len(done.rerequested)} pending approval(s) asked again under it."
     if done.denied:
@@ -340,6 +394,14 @@ class RuleForm(forms.Form):
     required = forms.IntegerField(
         required=False, min_value=1, max_value=policies.MAX_REQUIRED, label="Approvers needed"
     )
+    from_groups = forms.CharField(
+        required=False,
+        max_length=500,
+        label="Of whom at least",
+        help_text="e.g. finance=1 (members of these groups may approve too; "
+        "each approver counts for one group)",
+        widget=forms.TextInput(attrs={"class": "code", "spellcheck": "false"}),
+    )
     ttl_hours = forms.IntegerField(
         required=False,
         min_value=1,
@@ -360,6 +422,23 @@ class RuleForm(forms.Form):
         self.fields["group"].choices = groups
         self.fields["escalate_to"].choices = [("", "—"), *groups]
 
+    def clean_from_groups(self) -> dict[str, int]:
+        """ "finance=1, legal=1" -> {"finance": 1, "legal": 1} (the policy validates the
+        groups and the sum)."""
+        text = (self.cleaned_data.get("from_groups") or "").strip()
+        minimums: dict[str, int] = {}
+        for part in filter(None, (p.strip() for p in text.replace(";", ",").split(","))):
+            name, sep, count = part.partition("=")
+            name, count = name.strip(), count.strip()
+            if not sep or not name or not count.isdigit() or int(count) < 1:
+                raise forms.ValidationError(
+                    f"Write each group as name=number, e.g. finance=1 (not {part!r})."
+                )
+            if name in minimums:
+                raise forms.ValidationError(f"{name} is named twice.")
+            minimums[name] = int(count)
+        return minimums
+
     def rule(self) -> dict[str, Any] | None:
         data = self.cleaned_data
         if not data.get("decide"):
@@ -374,6 +453,8 @@ class RuleForm(forms.Form):
                 "ttl_seconds": (data.get("ttl_hours") or 24) * 3600,
                 "on_expiry": data.get("on_expiry") or "reject",
             }
+            if data.get("from_groups"):
+                spec["from_groups"] = data["from_groups"]
             if data.get("escalate_to"):
                 spec["escalate_to"] = data["escalate_to"]
             if data.get("bearer_links"):
@@ -390,6 +471,9 @@ class RuleForm(forms.Form):
             "reason": rule.get("reason", ""),
             "group": spec.get("group", "approver"),
             "required": spec.get("required", 1),
+            "from_groups": ", ".join(
+                f"{g}={n}" for g, n in sorted(policies.minimums_of(spec).items())
+            ),
             "ttl_hours": max(1, int(spec.get("ttl_seconds", policies.DEFAULT_TTL)) // 3600),
             "on_expiry": spec.get("on_expiry", "reject"),
             "escalate_to": spec.get("escalate_to", ""),
@@ -469,6 +553,9 @@ def policy_draft(request: HttpRequest) -> HttpResponse:
             if source.get("from")
             else versions.filter(status="published").first() or versions.order_by("-number").first()
         )
+        if start is not None and start.withdraws:
+            # a withdrawn policy is drafted again from its last rules, not from none
+            start = versions.filter(withdraws=False).order_by("-number").first() or start
     initial = {
         "tool": policy.tool_name if policy else source.get("tool", ""),
         "agent_name": policy.agent_name if policy else "",

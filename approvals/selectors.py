@@ -13,11 +13,26 @@ from runs.models import ApiToken, RunEvent, Step, ToolCall
 from runs.record.eventtypes import EventType
 
 
+def _group_names(user: Any) -> frozenset[str]:
+    """The user's group names, read once per user object (a request's pages ask several
+    times: which approvals they see, which they may decide)."""
+    names = getattr(user, "_approvals_group_names", None)
+    if names is None:
+        names = frozenset(user.groups.values_list("name", flat=True))
+        user._approvals_group_names = names
+    return names
+
+
 def _visible_to(user: Any) -> QuerySet[Approval]:
-    """Approvals of the groups the user belongs to (all of them for a superuser)."""
+    """Approvals of the groups the user belongs to — the approval's group, or a group with a
+    minimum in it (approvals.quorum) — all of them for a superuser."""
     approvals = Approval.objects.select_related("run")
     if not user.is_superuser:
-        approvals = approvals.filter(approver_group__in=user.groups.values("name"))
+        names = sorted(_group_names(user))
+        mine = Q(approver_group__in=names)
+        if names:
+            mine |= Q(group_minimums__has_any_keys=names)
+        approvals = approvals.filter(mine)
     return approvals
 
 
@@ -102,8 +117,11 @@ def why_not_decide(*, user: Any, approval: Approval) -> str:
         return f"This approval is already {approval.status}."
     if approval.expires_at <= timezone.now():
         return "It has expired (the sweeper records that within seconds)."
-    if not user.is_superuser and not user.groups.filter(name=approval.approver_group).exists():
-        return f"It is addressed to group {approval.approver_group}, and you are not in it."
+    eligible = approval.eligible_groups
+    if not user.is_superuser and not user.groups.filter(name__in=eligible).exists():
+        if len(eligible) == 1:
+            return f"It is addressed to group {approval.approver_group}, and you are not in it."
+        return f"It is addressed to groups {' and '.join(eligible)}, and you are in none of them."
     decided = (
         approval.decisions.filter(decider=user, decision__in=ApprovalDecision.DECIDING)
         .values_list("decision", flat=True)
@@ -112,8 +130,11 @@ def why_not_decide(*, user: Any, approval: Approval) -> str:
     if decided is not None:
         return (
             f"You already {PAST_TENSE.get(decided, decided)} it; someone else in "
-            f"{approval.approver_group} must decide too."
+            f"{' or '.join(eligible)} must decide too."
         )
+    seat = quorum_refusal(user=user, approval=approval)
+    if seat:
+        return f"{seat[0].upper()}{seat[1:]}."
     conflict = duty_conflict(user=user, approval=approval, principal_id=approval.run.principal_id)
     if conflict:
         who = "someone else"
@@ -146,14 +167,14 @@ def decidable(*, user: Any, approvals: list[Approval]) -> list[Approval]:
     inbox's buttons, "Needs you"). The service still decides for real."""
     if not approvals or not user.has_perm("approvals.decide_approval"):
         return []
-    groups = None if user.is_superuser else set(user.groups.values_list("name", flat=True))
+    groups = None if user.is_superuser else set(_group_names(user))
     now = timezone.now()
     candidates = [
         a
         for a in approvals
         if a.status == Approval.Status.PENDING
         and a.expires_at > now
-        and (groups is None or a.approver_group in groups)
+        and (groups is None or groups & set(a.eligible_groups))
         and (a.allow_self_approval or a.run.principal_id != user.pk)
     ]
     decided = set(
@@ -164,6 +185,7 @@ def decidable(*, user: Any, approvals: list[Approval]) -> list[Approval]:
         ).values_list("approval_id", flat=True)
     )
     candidates = [a for a in candidates if a.id not in decided]
+    candidates = _quorum_open(user=user, approvals=candidates)
     separated = {a.run_id for a in candidates if a.separate_duties}
     drove: set[Any] = set()
     if separated:
@@ -213,12 +235,105 @@ def approvals_needing_me(user: Any, limit: int) -> list[Any]:
             url=reverse("approvals:detail", args=[approval.id]),
             run_id=approval.run_id,
             run_agent=approval.run.agent_name,
+            run_dry_run=approval.run.dry_run,
             run_goal=approval.run.goal,
             due_at=approval.expires_at,
             detail=f"approval for {approval.approver_group}",
         )
         for approval in approvals
     ]
+
+
+def _quorum_open(*, user: Any, approvals: list[Approval]) -> list[Approval]:
+    """``approvals`` less those whose remaining approvals are reserved for a group's
+    minimum ``user`` is not in (two queries when any has a minimum, none otherwise)."""
+    quota = [a for a in approvals if a.group_minimums]
+    if not quota:
+        return approvals
+    from approvals import quorum
+
+    by_approval: dict[Any, list[quorum.Approver]] = {}
+    rows = (
+        ApprovalDecision.objects.filter(
+            approval_id__in=[a.id for a in quota], decision=ApprovalDecision.Decision.APPROVE
+        )
+        .select_related("decider")
+        .prefetch_related("decider__groups")
+    )
+    for row in rows:
+        by_approval.setdefault(row.approval_id, []).append(
+            quorum.Approver(
+                key=row.decider_id,
+                groups=frozenset(g.name for g in row.decider.groups.all()),
+                superuser=row.decider.is_superuser,
+            )
+        )
+    me = quorum.Approver(key=user.pk, groups=_group_names(user), superuser=user.is_superuser)
+    refused = {
+        a.id
+        for a in quota
+        if quorum.refusal(
+            by_approval.get(a.id, []),
+            me,
+            group=a.approver_group,
+            required=a.required_count,
+            minimums=a.group_minimums,
+        )
+    }
+    return [a for a in approvals if a.id not in refused]
+
+
+def quorum_refusal(*, user: Any, approval: Approval) -> str:
+    """Why ``user``'s approval would not count towards ``approval``'s quorum ("" when it
+    would): the approvals still needed are reserved for a group's minimum they are not in."""
+    if not approval.group_minimums:
+        return ""
+    from approvals import quorum
+    from approvals.gate import approvers_of
+
+    me = quorum.Approver(
+        key=user.pk,
+        groups=frozenset(user.groups.values_list("name", flat=True)),
+        superuser=user.is_superuser,
+    )
+    return quorum.refusal(
+        approvers_of(approval),
+        me,
+        group=approval.approver_group,
+        required=approval.required_count,
+        minimums=approval.group_minimums,
+    )
+
+
+@dataclass
+class Requested:
+    """An earlier request for the same call, cancelled and asked again: why, and whose
+    decisions on it no longer count (they do not carry over)."""
+
+    approval: Approval
+    voided: list[ApprovalDecision]
+
+
+def earlier_requests(approval: Approval) -> list[Requested]:
+    """The call's earlier approvals that were cancelled before this one was asked (newest
+    first), each with the decisions it had: the approval page says which were voided."""
+    earlier = list(
+        Approval.objects.filter(
+            tool_call_id=approval.tool_call_id,
+            id__lt=approval.id,
+            status=Approval.Status.CANCELLED,
+        )
+        .prefetch_related(
+            Prefetch(
+                "decisions",
+                queryset=ApprovalDecision.objects.filter(
+                    decision__in=ApprovalDecision.DECIDING
+                ).select_related("decider"),
+            )
+        )
+        .order_by("-id")
+    )
+    return [Requested(approval=a, voided=list(a.decisions.all())) for a in earlier]
 
 
 # Who drove a run, from its record: these events name the person who started, forked,

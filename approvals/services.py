@@ -12,7 +12,7 @@ from django.db.models import F
 from django.db.models.functions import Now
 from django.utils import timezone
 
-from approvals import notify, selectors
+from approvals import notify, quorum, selectors
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
 from runs import links
 from runs.actors import Actor, PermissionDenied
@@ -135,8 +135,9 @@ def approval_decide(
             raise AlreadyDecided(f"this approval is already {approval.status}")
         if not Approval.objects.filter(id=approval.id, expires_at__gt=Now()).exists():
             raise ApprovalExpired("this approval has expired and can no longer be decided")
-        if not user.is_superuser and not user.groups.filter(name=approval.approver_group).exists():
-            raise PermissionDenied(f"only members of {approval.approver_group} may decide")
+        eligible = approval.eligible_groups
+        if not user.is_superuser and not user.groups.filter(name__in=eligible).exists():
+            raise PermissionDenied(f"only members of {' or '.join(eligible)} may decide")
         conflict = selectors.duty_conflict(
             user=user, approval=approval, principal_id=cp.run.principal_id
         )
@@ -158,6 +159,27 @@ def approval_decide(
             return approval
         if approval.decisions.filter(decider=user, decision__in=ApprovalDecision.DECIDING).exists():
             raise AlreadyDecided("you have already decided this approval")
+        approvers: list[quorum.Approver] = []
+        if decision == ApprovalDecision.Decision.APPROVE and approval.group_minimums:
+            # only where a rule set group minimums: who approved so far, with their groups
+            from approvals.gate import approvers_of
+
+            approvers = approvers_of(approval)
+            me = quorum.Approver(
+                key=user.pk,
+                groups=frozenset(user.groups.values_list("name", flat=True)),
+                superuser=user.is_superuser,
+            )
+            why = quorum.refusal(
+                approvers,
+                me,
+                group=approval.approver_group,
+                required=approval.required_count + (1 if edit is not None else 0),
+                minimums=approval.group_minimums,
+            )
+            if why:
+                raise PermissionDenied(why[0].upper() + why[1:])
+            approvers = [*approvers, me]
         call = ToolCall.objects.select_related("step").get(id=approval.tool_call_id)
         edit_payload: dict[str, Any] = {}
         if edit is not None:
@@ -179,9 +201,19 @@ def approval_decide(
             edited_digest=edit.digest if edit else "",
         )
         approvals = approval.decisions.filter(decision=ApprovalDecision.Decision.APPROVE).count()
-        settled = (
-            decision == ApprovalDecision.Decision.REJECT or approvals >= approval.required_count
-        )
+        if approval.group_minimums:
+            # who approved, matched to the groups' minimums (approvals.quorum)
+            standing = quorum.assess(
+                approvers if decision == ApprovalDecision.Decision.APPROVE else [],
+                group=approval.approver_group,
+                required=approval.required_count,
+                minimums=approval.group_minimums,
+            )
+            quorum_met = standing.met
+            needs = {"needs": standing.missing} if standing.missing else {}
+        else:
+            quorum_met, needs = approvals >= approval.required_count, {}
+        settled = decision == ApprovalDecision.Decision.REJECT or quorum_met
         cp.event(
             EventType.APPROVAL_DECIDED,
             approval=approval.id,
@@ -191,6 +223,7 @@ def approval_decide(
             approvals=approvals,
             required=approval.required_count,
             settled=settled,
+            **needs,
             **edit_payload,
         )
         if settled:
@@ -367,6 +400,9 @@ def _expire_one(approval_id: Any, run_id: Any) -> None:
                     arguments_masked=approval.arguments_masked,
                     approver_group=group,
                     required_count=approval.required_count,
+                    # the groups' minimums stay: escalation changes who else may decide,
+                    # not how many of finance (say) must approve
+                    group_minimums=approval.group_minimums,
                     allow_self_approval=approval.allow_self_approval,
                     require_login=approval.require_login,
                     separate_duties=approval.separate_duties,

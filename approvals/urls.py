@@ -16,6 +16,11 @@ urlpatterns = [
     path("policies/draft/", policy_views.policy_draft, name="policy_draft"),
     path("policies/<int:policy_id>/", policy_views.policy_detail, name="policy"),
     path(
+        "policies/<int:policy_id>/withdraw/",
+        policy_views.policy_withdraw_view,
+        name="policy_withdraw",
+    ),
+    path(
         "policies/versions/<int:version_id>/",
         policy_views.version_detail,
         name="policy_version",

@@ -20,7 +20,9 @@ from django.views.decorators.http import require_POST
 from django_htmx.middleware import HtmxDetails
 
 from approvals import selectors
+from approvals.gate import quorum_of
 from approvals.models import Approval, ApprovalDecision, ApprovalLink
+from approvals.policies import describe_quorum
 from approvals.services import (
     APPROVAL_LINKS,
     AlreadyDecided,
@@ -60,6 +62,7 @@ def approval_inbox(request: HtmxHttpRequest) -> HttpResponse:
     masks = maskers_for([a.run for a in inbox.pending], user=request.user)
     for approval in inbox.pending:
         approval.shown_arguments = masks[approval.run_id](approval.arguments_masked)
+        approval.quorum_text = _quorum_text(approval)
     # the rows this approver may decide get buttons (and a box for the bulk actions)
     mine = {a.id for a in selectors.decidable(user=request.user, approvals=inbox.pending)}
     for approval in inbox.pending:
@@ -158,6 +161,7 @@ def approval_bulk(request: HtmxHttpRequest) -> HttpResponse:
         why_not = ""
         if not data["confirm"] and approval.id not in mine:
             why_not = selectors.why_not_decide(user=request.user, approval=approval)
+        approval.quorum_text = _quorum_text(approval)
         items.append(
             {
                 "approval": approval,
@@ -216,6 +220,12 @@ class DecisionForm(forms.Form):
         return data
 
 
+def _quorum_text(approval: Approval) -> str:
+    return describe_quorum(
+        approval.approver_group, approval.required_count, approval.group_minimums
+    )
+
+
 def _arguments_json(arguments: Any) -> str:
     return jsonlimits.pretty(arguments)
 
@@ -257,6 +267,18 @@ def _detail(
         "form": form,
         "action": form.data.get("action") if form is not None else "",
         "error": error,
+        # who must approve, where it stands ("1 of 2, needs 1 from finance"), and the
+        # requests this one replaced with the decisions that no longer count
+        "quorum_text": describe_quorum(
+            approval.approver_group, approval.required_count, approval.group_minimums
+        ),
+        "standing": quorum_of(approval),
+        "earlier": selectors.earlier_requests(approval),
+        "later": Approval.objects.filter(tool_call_id=approval.tool_call_id, id__gt=approval.id)
+        .order_by("id")
+        .first()
+        if approval.status == Approval.Status.CANCELLED
+        else None,
     }
     template = "approvals/detail.html"
     if request.htmx:

@@ -44,6 +44,8 @@ class NeedsYouItem:
     reason_code: str = ""
     # why the run stopped for a person, as this viewer may see it (runs.masking)
     reason: str = ""
+    # the run is a dry run (its badge is shown beside it)
+    run_dry_run: bool = False
 
 
 NeedsYouSource = Callable[[Any, int], list[NeedsYouItem]]
@@ -108,6 +110,7 @@ def _unknown_and_parked(user: Any, limit: int) -> list[NeedsYouItem]:
                 "run__agent_name",
                 "run__goal",
                 "run__reason_detail",
+                "run__dry_run",
                 "step__seq",
             )
             .order_by("updated_at", "id")[:limit]
@@ -119,7 +122,9 @@ def _unknown_and_parked(user: Any, limit: int) -> list[NeedsYouItem]:
         runs = [
             run
             for run in Run.objects.filter(status=Run.Status.NEEDS_ATTENTION)
-            .only("id", "agent_name", "goal", "reason_code", "reason_detail", "updated_at")
+            .only(
+                "id", "agent_name", "goal", "reason_code", "reason_detail", "updated_at", "dry_run"
+            )
             .order_by("updated_at", "id")[:limit]
             if run.id not in covered
         ]
@@ -133,6 +138,7 @@ def _unknown_and_parked(user: Any, limit: int) -> list[NeedsYouItem]:
             url=reverse("runs:unknown") + f"#call-{call.id}",
             run_id=call.run_id,
             run_agent=call.run.agent_name,
+            run_dry_run=call.run.dry_run,
             run_goal=call.run.goal,
             since=call.updated_at,
             detail=f"{call.effect} · {call.reconcile_attempts} lookup"
@@ -149,6 +155,7 @@ def _unknown_and_parked(user: Any, limit: int) -> list[NeedsYouItem]:
             url=reverse("runs:detail", args=[run.id]),
             run_id=run.id,
             run_agent=run.agent_name,
+            run_dry_run=run.dry_run,
             run_goal=run.goal,
             since=run.updated_at,
             reason_code=run.reason_code,
@@ -167,7 +174,7 @@ def _questions(user: Any, limit: int) -> list[NeedsYouItem]:
     if not user.is_superuser:
         questions = questions.filter(group__in=user.groups.values("name"))
     questions = questions.only(
-        "id", "group", "expires_at", "run__id", "run__agent_name", "run__goal"
+        "id", "group", "expires_at", "run__id", "run__agent_name", "run__goal", "run__dry_run"
     ).order_by("expires_at", "id")[:limit]
     return [
         NeedsYouItem(
@@ -177,6 +184,7 @@ def _questions(user: Any, limit: int) -> list[NeedsYouItem]:
             url=reverse("runs:question", args=[question.id]),
             run_id=question.run_id,
             run_agent=question.run.agent_name,
+            run_dry_run=question.run.dry_run,
             run_goal=question.run.goal,
             due_at=question.expires_at,
         )

@@ -153,6 +153,7 @@ def question_inbox(*, user: Any, recent: int = 20) -> tuple[list[Question], list
         "run__id",
         "run__agent_name",
         "run__goal",
+        "run__dry_run",
         "answered_by__username",
     )
     if not user.is_superuser:
@@ -514,6 +515,7 @@ def _events_with_run_names() -> QuerySet[RunEvent]:
         "run__id",
         "run__agent_name",
         "run__goal",
+        "run__dry_run",
     )
 
 
@@ -765,6 +767,7 @@ def recent_alerts(*, limit: int = 10) -> list[Alert]:
             "run__id",
             "run__agent_name",
             "run__goal",
+            "run__dry_run",
             "worker_name",
             "detail",
             "created_at",

@@ -165,6 +165,19 @@ def _call(payload: Mapping[str, Any]) -> str:
     return f"call #{seq}{name}" if seq is not None else f"call{name}"
 
 
+def _voided(voided: Any) -> str:
+    """ "; voided: alice approved, bob approved" — decisions that no longer count."""
+    if not isinstance(voided, list) or not voided:
+        return ""
+    said = {"approve": "approved", "reject": "rejected"}
+    names = [
+        f"{v.get('by')} {said.get(v.get('decision'), v.get('decision'))}"
+        for v in voided
+        if isinstance(v, Mapping)
+    ]
+    return "; voided (decide again): " + ", ".join(names) if names else ""
+
+
 def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> str:
     """A short human sentence for one event; unknown types fall back to their name."""
     p = payload
@@ -228,14 +241,35 @@ def describe(event_type: str, payload: Mapping[str, Any], actor: str = "") -> st
             what = ""
             if p.get("tool") and isinstance(p.get("arguments"), Mapping):
                 what = f": {call_summary(p['tool'], p['arguments'])}"
+            minimums = p.get("from_groups") if isinstance(p.get("from_groups"), Mapping) else {}
+            quota = ""
+            if minimums:
+                quota = (
+                    " (at least "
+                    + " and ".join(f"{n} from {g}" for g, n in sorted(minimums.items()))
+                    + ")"
+                )
+            again = ""
+            if p.get("replaces"):
+                # asked again: which request it replaces, why, and whose decisions on it no
+                # longer count (they do not carry over)
+                again = f" — asked again, replacing #{p['replaces']}"
+                if p.get("why"):
+                    again += f" ({p['why']})"
+                again += _voided(p.get("voided"))
             return (
                 f"approval #{p.get('approval')} requested for {_call(p)} from {p.get('group')}"
+                + quota
                 + what
+                + again
             )
         case EventType.APPROVAL_DECIDED:
             return f"approval #{p.get('approval')} {p.get('decision')} by {by}"
         case EventType.APPROVAL_CONSUMED:
             return f"approval for {_call(p)} consumed"
+        case EventType.APPROVAL_CANCELLED if p.get("voided"):
+            reason = f" ({p['reason']})" if p.get("reason") else ""
+            return f"approval #{p.get('approval')} cancelled{reason}" + _voided(p["voided"])
         case EventType.APPROVAL_EXPIRED | EventType.APPROVAL_CANCELLED:
             return f"approval #{p.get('approval')} {event_type.split('.')[1]}"
         case EventType.RUN_WAITING:

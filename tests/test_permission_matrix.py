@@ -22,7 +22,7 @@ from django.test import Client
 from rest_framework.test import APIClient
 
 from approvals.models import Approval, ApprovalDecision, ApprovalLink, ApprovalPolicyVersion
-from approvals.policy_services import policy_version_draft
+from approvals.policy_services import policy_version_draft, policy_version_publish
 from runs.actors import Actor
 from runs.models import (
     AgentManifest,
@@ -231,6 +231,20 @@ def drafted(w: World) -> ApprovalPolicyVersion:
     )
 
 
+def published(w: World) -> ApprovalPolicyVersion:
+    """A policy in force: drafted by one admin, published by another (neither the
+    principal under test), so that it can be withdrawn."""
+    from django.contrib.auth import get_user_model
+
+    version = drafted(w)
+    publisher = get_user_model().objects.create_user(username="publy")
+    publisher.groups.add(*Group.objects.filter(name="admin"))
+    version, _ = policy_version_publish(
+        actor=Actor.for_user(publisher, "web"), version_id=version.id
+    )
+    return version
+
+
 def policy_form() -> dict[str, str]:
     return {
         "tool": "refund_payment",
@@ -382,6 +396,13 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
         simple(drafted, lambda w, v: api_post(w, f"policy-versions/{v.id}/publication/")),
         ADMINS,
     ),
+    "api withdraw policy": (
+        simple(
+            published,
+            lambda w, v: api_post(w, f"policies/{v.policy_id}/withdrawal/", {"note": "pilot over"}),
+        ),
+        ADMINS,
+    ),
     "protocol lease": (simple(queued, lambda w, r: api_post(w, f"runs/{r.id}/lease/")), {"agent"}),
     "protocol heartbeat": (fenced("lease/heartbeat"), {"agent"}),
     "protocol release": (fenced("lease/release"), {"agent"}),
@@ -491,6 +512,15 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
         simple(
             drafted,
             lambda w, v: web_post(w, f"/approvals/policies/versions/{v.id}/publish/", {}),
+        ),
+        ADMINS,
+    ),
+    "console withdraw policy": (
+        simple(
+            published,
+            lambda w, v: web_post(
+                w, f"/approvals/policies/{v.policy_id}/withdraw/", {"note": "pilot over"}
+            ),
         ),
         ADMINS,
     ),

@@ -23,7 +23,10 @@ DEMO_USERNAME = "demo"
 # admin and published by another (docs/approvals.md, "Policies"), so the demo seeds two
 DEMO_GROUPS = ("operator", "approver", "viewer", "admin")
 SECOND_APPROVER_USERNAME = "demo-approver"
-SECOND_APPROVER_GROUPS = ("approver", "viewer")
+SECOND_APPROVER_GROUPS = ("approver", "viewer", "finance")
+# not a role: a team an approval policy can ask for ("two approvers, at least one from
+# finance", docs/approvals.md "Quorum"); demo-approver is its one member
+FINANCE_GROUP = "finance"
 SECOND_ADMIN_USERNAME = "demo-admin"
 SECOND_ADMIN_GROUPS = ("admin", "viewer")
 # The runs act as this service account, not as the demo person: an approver may not approve
@@ -98,6 +101,7 @@ def demo_login_ensure(
 def demo_logins_ensure() -> list[DemoLogin]:
     """``demo``, and a second approver: nobody approves a run they started (separation of
     duties), so a refund ``demo`` starts from the form is decided by ``demo-approver``."""
+    Group.objects.get_or_create(name=FINANCE_GROUP)
     return [
         demo_login_ensure(),
         demo_login_ensure(SECOND_APPROVER_USERNAME, SECOND_APPROVER_GROUPS),

@@ -172,8 +172,16 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {
         "GetApprovalRun": link("v1_runs_retrieve", run_id="$response.body#/run"),
     },
     # approval policies (approvals.policy_api): a drafted version -> read, simulate, publish
-    ("/api/v1/policies/", "post", "201"): policy_version_links(ID),
-    ("/api/v1/policies/", "get", "200"): policy_version_links("$response.body#/0/versions/0/id"),
+    ("/api/v1/policies/", "post", "201"): {
+        **policy_version_links(ID),
+        "WithdrawPolicy": link("v1_policies_withdrawal_create", policy_id="$response.body#/policy"),
+    },
+    ("/api/v1/policies/", "get", "200"): {
+        **policy_version_links("$response.body#/0/versions/0/id"),
+        "WithdrawPolicy": link("v1_policies_withdrawal_create", policy_id="$response.body#/0/id"),
+    },
+    # a withdrawal is a drafted version: read, simulate, publish it
+    ("/api/v1/policies/{policy_id}/withdrawal/", "post", "201"): policy_version_links(ID),
     ("/api/v1/agents/{name}/", "put", "201"): {
         "GetAgent": link("v1_agents_retrieve", name="$request.path.name"),
     },
@@ -295,6 +303,7 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "time_zone": "Europe/Paris",
         "note": "refunds above 50.00 need two approvers",
     },
+    "WithdrawInputRequest": {"note": "back to the tool's code policy: the pilot is over"},
     "SimulateInputRequest": {"days": 7},
     "RulesSimulateInputRequest": {
         "tool": "refund_payment",

@@ -109,17 +109,38 @@ def run_name(run: Any) -> str:
 
 
 @register.simple_tag(name="run_link")
-def run_link(run: Any = None, *, run_id: Any = None, agent: str = "", goal: str = "") -> str:
+def run_link(
+    run: Any = None,
+    *,
+    run_id: Any = None,
+    agent: str = "",
+    goal: str = "",
+    dry_run: bool = False,
+    badge: bool = True,
+) -> str:
     """A link to a run's page named by ``run_label``: ``{% run_link run %}``, or from the
-    parts ``{% run_link run_id=item.run_id agent=item.run_agent goal=item.run_goal %}``."""
+    parts ``{% run_link run_id=item.run_id agent=item.run_agent goal=item.run_goal %}``.
+    A dry run's link carries its badge wherever a run is linked (``badge=False`` where the
+    page shows it already)."""
     if run is not None:
         run_id, agent, goal = run.id, run.agent_name, run.goal
-    return format_html(
+        # a run loaded with only some fields: its badge only when ``dry_run`` was loaded
+        # (never a query per link)
+        deferred = run.get_deferred_fields() if hasattr(run, "get_deferred_fields") else ()
+        dry_run = "dry_run" not in deferred and bool(getattr(run, "dry_run", False))
+    link = format_html(
         '<a class="run-link" href="{}" title="run {}">{}</a>',
         reverse("runs:detail", args=[run_id]),
         run_id,
         run_label(agent, goal, run_id),
     )
+    if dry_run and badge:
+        link = format_html(
+            '{} <span class="badge badge-dry-run" title="a dry run: its tools with side '
+            'effects are only simulated">dry run</span>',
+            link,
+        )
+    return link
 
 
 @register.filter(name="argument_rows")

@@ -42,6 +42,7 @@ ENDPOINTS = {
     ("/api/v1/policies/", "get"),
     ("/api/v1/policies/", "post"),
     ("/api/v1/policies/simulations/", "post"),
+    ("/api/v1/policies/{policy_id}/withdrawal/", "post"),
     ("/api/v1/policy-versions/{version_id}/", "get"),
     ("/api/v1/policy-versions/{version_id}/simulation/", "post"),
     ("/api/v1/policy-versions/{version_id}/publication/", "post"),
@@ -136,6 +137,8 @@ DATA_DEPENDENT_400 = {
     # that exist; a simulation's tool must be registered
     "POST /api/v1/policies/": "validation_error",
     "POST /api/v1/policies/simulations/": "validation_error",
+    # a withdrawal's note must say something (spaces alone are not a reason)
+    "POST /api/v1/policies/{policy_id}/withdrawal/": "validation_error",
     # the run must have the step to fork from
     "POST /api/v1/runs/{run_id}/fork/": "validation_error",
     # a top-up must add something, and a new deadline must still be in the future

@@ -100,3 +100,8 @@ def test_draft_simulate_and_publish_a_stricter_refund_policy(page, admins, sandb
     assert (again.required_count, again.policy_version_id) == (2, version.id)
     page.goto(reverse("runs:detail", args=[waiting.id]))
     expect(page.locator("body")).to_contain_text("policy_changed")
+    # the new request says what it replaced and that nobody's decision carried over
+    page.goto(reverse("approvals:detail", args=[again.id]))
+    expect(page.locator("#decision-panel")).to_contain_text("Asked again")
+    expect(page.locator("#decision-panel")).to_contain_text(f"approval {first.id}")
+    expect(page.locator(".quorum")).to_contain_text("2 approvers from approver")

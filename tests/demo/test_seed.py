@@ -34,7 +34,12 @@ def test_seed_demo_creates_a_sign_in_and_demo_runs_once(capsys):
     # a second approver decides what demo starts (nobody approves their own run)
     second = re.search(r"sign-in 'demo-approver' with password (\S+)", out).group(1)
     approver = authenticate(sign_in, username="demo-approver", password=second)
-    assert set(approver.groups.values_list("name", flat=True)) == {"approver", "viewer"}
+    # ... and is the finance team a policy can ask for ("at least one from finance")
+    assert set(approver.groups.values_list("name", flat=True)) == {
+        "approver",
+        "viewer",
+        "finance",
+    }
     assert approver.has_perm("approvals.decide_approval")
     assert not approver.has_perm("runs.start_run")
     # a second admin publishes the approval policy demo drafts (separation of duties)

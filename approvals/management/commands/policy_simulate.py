@@ -90,21 +90,26 @@ class Command(BaseCommand):
             if options["all"]:
                 data["calls"] = [c.__dict__ for c in simulation.calls]
             self.stdout.write(json.dumps(data, indent=2, default=str))
+            if simulation.truncated:
+                self.stderr.write(f"CAPPED: {simulation.truncation_note}")
         else:
             self.stdout.write(
                 f"{label}: {len(simulation.calls)} calls of {simulation.tool_name} in the last "
-                f"{days} days, compared with {simulation.compared_with}"
-                + (" (only the newest were replayed)" if simulation.truncated else "")
+                f"{days} days, compared with {simulation.compared_with} (the policy in force "
+                "today; each call with the one that reaches it)"
             )
+            if simulation.truncated:
+                self.stdout.write(f"CAPPED: {simulation.truncation_note}")
             for key, label_text in Change.LABELS.items():
                 self.stdout.write(f"  {simulation.counts[key]:>6}  {label_text}")
             shown = simulation.calls if options["all"] else simulation.changed
             for call in shown:
                 marker = " (reconstructed)" if call.reconstructed else ""
+                marker += " (dry run)" if call.dry_run else ""
                 self.stdout.write(
                     f"{call.decided_at[:19]}  {call.idempotency_key}  "
                     f"{json.dumps(call.arguments_masked, default=str)}  "
-                    f"{call.before} -> {call.after}{marker}"
+                    f"{call.before} [{call.before_policy}] -> {call.after}{marker}"
                 )
         if options["fail_on_change"] and simulation.changed:
             raise SystemExit(3)
