@@ -23,10 +23,6 @@ KNOWN_EDGES = {
         "generation counter (GENERATION_SQL, note_generation) in the claim statement: that "
         "counter belongs below the record, in flow's own split"
     ),
-    ("runs.flow", "runs.audit"): (
-        "an operator's tool limit is audited (audit_record), and the audit log writes through "
-        "the checkpoint: the same circle through the record's backends, gone with the same move"
-    ),
 }
 
 
