@@ -1,3 +1,4 @@
+from __future__ import annotations
 from django.urls import path
 
 from approvals import policy_views, views

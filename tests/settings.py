@@ -1,6 +1,8 @@
 """Test settings: the real settings with short leases and poll intervals, so crash and
 recovery tests finish in seconds. Worker subprocesses started by tests use this module too."""
 
+from __future__ import annotations
+
 import os
 
 _FAST = {

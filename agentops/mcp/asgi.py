@@ -1,6 +1,8 @@
 """ASGI entry point of the MCP gateway's own process (``manage.py runmcp``, Procfile ``mcp``):
 held ``tools/call`` requests never occupy the web server's request slots."""
 
+from __future__ import annotations
+
 import os
 
 import django
