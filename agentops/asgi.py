@@ -1,4 +1,5 @@
 from __future__ import annotations
+
 import os
 
 from django.core.asgi import get_asgi_application

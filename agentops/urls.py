@@ -1,4 +1,5 @@
 from __future__ import annotations
+
 from django.contrib import admin
 from django.contrib.auth import views as auth_views
 from django.urls import include, path

@@ -1,4 +1,5 @@
 from __future__ import annotations
+
 import os
 
 from django.core.wsgi import get_wsgi_application

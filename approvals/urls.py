@@ -1,4 +1,5 @@
 from __future__ import annotations
+
 from django.urls import path
 
 from approvals import policy_views, views
