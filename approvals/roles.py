@@ -44,6 +44,11 @@ ROLE_PERMISSIONS: dict[str, list[str]] = {
         "runs.view_toolshare",
         "runs.view_toolwaiter",
         "runs.view_runmessage",
+        # spend caps (runs.spend): caps, what each scope spent, reservations, stopped runs
+        "runs.view_spendcap",
+        "runs.view_spendcounter",
+        "runs.view_spendreservation",
+        "runs.view_spendstop",
         "approvals.view_approval",
         "approvals.view_approvaldecision",
         "approvals.view_approvallink",

@@ -212,6 +212,21 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "reason": "The payment provider allows 10 refunds a minute.",
     },
     "ToolLimitRemoveRequest": {"tool_name": "refund_payment", "reason": "Lifted by the PSP."},
+    "SpendCapInputRequest": {
+        "scope": "principal_day",
+        "subject": "alice",
+        "max_cost": "25.00",
+        "max_tokens": 2000000,
+        "reason": "Alice's team budget.",
+    },
+    "SpendCapRemoveRequest": {"scope": "principal_day", "subject": "alice"},
+    "SpendTopUpRequest": {
+        "scope": "principal_day",
+        "subject": "alice",
+        "add_cost": "10.00",
+        "reason": "Month-end batch approved by finance.",
+    },
+    "SpendSettleRequest": {"cost": "0.041200", "tokens": 10300},
     "SignalInputRequest": {
         "name": "customer_replied",
         "payload": {"text": "Yes, please."},
