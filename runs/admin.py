@@ -1492,3 +1492,7 @@ class SignInLockoutAdmin(admin.ModelAdmin):
 for _q_model in (Schedule, Success, Failure, OrmQ):
     if admin.site.is_registered(_q_model):
         admin.site.unregister(_q_model)
+
+
+# spend caps' tables, read-only for auditors (runs/admin_spend.py)
+from runs import admin_spend  # noqa: E402,F401

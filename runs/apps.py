@@ -43,8 +43,8 @@ class RunsConfig(AppConfig):
         register_sweep_hook(flow.sweep_waiters)
         metrics.register_collector(flow.collect_metrics)
 
-        # spend caps: spend by scope in /metrics; the admin's read-only pages (runs/spend.py)
-        from runs import admin_spend, spend  # noqa: F401
+        # spend caps: spend by scope in /metrics (runs/spend.py)
+        from runs import spend
 
         metrics.register_collector(spend.collect_metrics)
 

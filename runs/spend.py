@@ -358,6 +358,42 @@ def settle_call(cp: Any, call: Any, *, ok: bool) -> None:
         )
 
 
+def charge_reported(cp: Any, *, run: Run, cost: Any, tokens: Any) -> None:
+    """Usage an agent process reports after the fact (a remote agent's step): added to the
+    run's scopes as used, in the commit that records it — it was never reserved first."""
+    cost = Decimal(str(cost or 0))
+    tokens = int(tokens or 0)
+    if not (cost or tokens):
+        return
+    scopes = scopes_of(run)
+    if not scopes:
+        return
+    cp.lock()  # bulk_create opens a transaction of its own
+    for counter, cap in _lock_counters(scopes):
+        before = _share(counter, cap)
+        SpendCounter.objects.filter(pk=counter.pk).update(
+            cost_used=F("cost_used") + cost, tokens_used=F("tokens_used") + tokens
+        )
+        counter.cost_used += cost
+        counter.tokens_used += tokens
+        _warn_if_crossed(cp, counter, cap, before)
+
+
+def stop_if_full(lease: Any) -> str:
+    """Before a remote agent's step is recorded: a scope that is used up stops the run as a
+    hosted run stops (one commit, for runs a cap covers only). The reason, or ""."""
+    if not applies(lease.run):
+        return ""
+    stopped = ""
+    with lease.checkpoint() as cp:
+        try:
+            check(cp, run=lease.run)
+        except CapReached as full:
+            stop_run(cp, run=lease.run, full=full)
+            stopped = full.detail
+    return stopped
+
+
 # --- a model request: reserved in a commit of its own, before it is asked ----------------------
 
 
@@ -906,7 +942,10 @@ def scope_views(caps: list[SpendCap] | None = None) -> list[ScopeView]:
             wanted |= Q(scope=cap.scope, subject=cap.subject, period=period)
     counters = {
         (c.scope, c.subject, c.period): c
-        for c in SpendCounter.objects.filter(wanted).annotate(stopped=Count("stops"))
+        for c in SpendCounter.objects.filter(wanted).annotate(
+            # runs still stopped (one terminated since is no longer waiting for a top-up)
+            stopped=Count("stops", filter=Q(stops__run__status=Run.Status.NEEDS_ATTENTION))
+        )
     }
     names = _usernames(
         {c.subject for c in caps if c.scope in PRINCIPAL_SCOPES}

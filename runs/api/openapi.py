@@ -171,6 +171,12 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {
     ("/api/v1/approvals/{approval_id}/decision/", "post", "200"): {
         "GetApprovalRun": link("v1_runs_retrieve", run_id="$response.body#/run"),
     },
+    # spend caps (runs.api.spend): a cut-off model request -> its settlement
+    ("/api/v1/spend-reservations/", "get", "200"): {
+        "SettleReservation": link(
+            "v1_spend_reservations_settle_create", reservation_id="$response.body#/0/id"
+        ),
+    },
     # approval policies (approvals.policy_api): a drafted version -> read, simulate, publish
     ("/api/v1/policies/", "post", "201"): policy_version_links(ID),
     ("/api/v1/policies/", "get", "200"): policy_version_links("$response.body#/0/versions/0/id"),

@@ -167,6 +167,8 @@ def dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: b
             flow.wait_commit(cp, run=lease.run, call=call, seq=step.seq, full=full)
         return Outcome.PARKED
     except spend.CapReached as full:
+        if not execute:
+            raise  # a remote dispatch stops the run after its transaction (runs.remote)
         # the decision is kept (the call stays undispatched): a top-up of the scope resumes
         # the run, and the call is dispatched then
         with lease.checkpoint() as cp:

@@ -12,7 +12,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
-from runs import engine, flow
+from runs import engine, flow, spend
 from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
 from runs.gate import get_gate
@@ -447,6 +447,12 @@ def remote_toolcall_dispatch(
         # in the fair line with the hosted runs: its turn is kept for it (issue 26)
         flow.join_line(lease.run, full)
         raise
+    except spend.CapReached as full:
+        # a spend cap's scope is used up: nothing is dispatched, the run stops for a top-up
+        with lease.checkpoint() as cp:
+            spend.stop_run(cp, run=lease.run, full=full)
+        call.refresh_from_db()
+        return Dispatch(False, call, f"the run stopped: {full.detail}")
     if replayed is not None:
         return replayed
     call.refresh_from_db()
@@ -505,14 +511,6 @@ def _dispatch_outcome(lease: RemoteLease, call: ToolCall) -> Dispatch:
         # failed step's error says which (the agent reads it in its resume packet too)
         why = Step.objects.filter(id=call.step_id).values_list("error", flat=True).first()
         return Dispatch(False, call, f"the call is cancelled: {why or 'precondition changed'}")
-    stopped = (
-        Run.objects.filter(id=call.run_id, status=Run.Status.NEEDS_ATTENTION)
-        .values_list("reason_detail", flat=True)
-        .first()
-    )
-    if stopped:
-        # a spend cap covering the run is used up (runs.spend): the run waits for a top-up
-        return Dispatch(False, call, f"the run stopped: {stopped}")
     return Dispatch(False, call, f"the call is {call.status}")
 
 

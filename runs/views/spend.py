@@ -38,6 +38,12 @@ class SpendCapForm(forms.Form):
     reason = forms.CharField(max_length=2000, required=False)
 
 
+class RemoveForm(forms.Form):
+    scope = forms.ChoiceField(choices=SpendCap.Scope.choices)
+    subject = forms.CharField(max_length=200, required=False)
+    reason = forms.CharField(max_length=2000, required=False)
+
+
 class TopUpForm(forms.Form):
     scope = forms.ChoiceField(choices=SpendCap.Scope.choices)
     subject = forms.CharField(max_length=200, required=False)
@@ -64,7 +70,8 @@ def spend_caps(request) -> HttpResponse:
         raise PermissionDenied
     action = request.POST.get("action", "set")
     posted = request.POST if request.method == "POST" else None
-    form = SpendCapForm(posted if action == "set" else None)
+    # the main form also carries what is wrong with a removal or an unknown action
+    form = SpendCapForm(posted if action not in ("top_up", "settle") else None)
     top_up = TopUpForm(posted if action == "top_up" else None)
     settle = SettleForm(posted if action == "settle" else None)
     status = 200
@@ -97,14 +104,14 @@ def spend_caps(request) -> HttpResponse:
 def _post(request, actor, action, form, top_up, settle) -> bool:
     """Apply the posted action; True when it was applied (the page redirects)."""
     if action == "remove":
+        removal = RemoveForm(request.POST)
+        if not removal.is_valid():
+            # shown with the page's main form (the remove buttons carry no visible fields)
+            for errors in removal.errors.values():
+                form.add_error(None, errors)
+            return False
         try:
-            removed = spend.spend_cap_remove(
-                scope=request.POST.get("scope", ""),
-                subject=request.POST.get("subject", ""),
-                actor=actor,
-                reason=request.POST.get("reason", ""),
-                request=request,
-            )
+            removed = spend.spend_cap_remove(actor=actor, request=request, **removal.cleaned_data)
         except _REFUSED as exc:
             messages.error(request, str(exc))
             return True
@@ -143,6 +150,9 @@ def _post(request, actor, action, form, top_up, settle) -> bool:
             return False
         messages.success(request, f"Reservation {data['reservation']} settled.")
         return True
+    if action != "set":
+        form.add_error(None, f"unknown action {action[:50]!r}")
+        return False
     if not form.is_valid():
         return False
     try:

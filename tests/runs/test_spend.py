@@ -18,7 +18,8 @@ from tests.conftest import _user_in, drive
 from tests.runs.test_metrics import scrape, value
 from tests.support import CountingTool, ScriptedAgent, WorkerKilled, events, expire_lease, make_tool
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("roles")]
+# transaction=True: alerts are raised after the commits that cross a cap (on_commit)
+pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.usefixtures("roles")]
 
 DECISION = Usage(tokens=100, cost=Decimal("1"))
 
