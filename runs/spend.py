@@ -598,6 +598,13 @@ class CapNotFound(NotFound):
     """No cap of that scope and subject."""
 
 
+class UnknownSubject(InvalidCap):
+    """No agent or user of that name: there is nothing to cap."""
+
+    code = "not_found"
+    status = 404
+
+
 def _amount(value: Any, name: str) -> Decimal | None:
     if value is None or value == "":
         return None
@@ -615,7 +622,7 @@ def _amount(value: Any, name: str) -> Decimal | None:
 def _tokens(value: Any, name: str) -> int | None:
     if value is None or value == "":
         return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value >= 2**62:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0 or value > 2**62:
         raise InvalidCap(f"{name} must be a whole number, at least 0", {name: ["at least 0"]})
     return value
 
@@ -636,7 +643,7 @@ def subject_of(scope: str, subject: str) -> str:
         try:
             registry.agent(subject)
         except UnknownAgent:
-            raise InvalidCap(
+            raise UnknownSubject(
                 f"no agent named {subject!r}", {"subject": [f"no agent named {subject!r}"]}
             ) from None
         return subject
@@ -646,7 +653,7 @@ def subject_of(scope: str, subject: str) -> str:
 
     user = get_user_model().objects.filter(username=subject).first()
     if user is None:
-        raise InvalidCap(
+        raise UnknownSubject(
             f"no user named {subject!r}", {"subject": [f"no user named {subject!r} (or *)"]}
         )
     return str(user.pk)
@@ -689,8 +696,6 @@ def spend_cap_set(
     stored = subject_of(scope, subject)
     cost = _amount(max_cost, "max_cost")
     tokens = _tokens(max_tokens, "max_tokens")
-    if cost is None and tokens is None:
-        raise InvalidCap("a cap needs a maximum cost, a maximum of tokens, or both")
     with transaction.atomic():
         row = SpendCap.objects.select_for_update().filter(scope=scope, subject=stored).first()
         before = _cap_json(row)
@@ -762,11 +767,10 @@ def spend_top_up(
     actor.require("runs.operate_run")
     stored = subject_of(scope, subject)
     if stored == EVERY_PRINCIPAL:
-        raise InvalidCap("top up one principal's scope, not every principal's", {"subject": ["a username"]})  # fmt: skip
+        raise CapNotFound("a top-up is of one principal's scope: name the principal, not *")
+    # nothing to add is allowed: it resumes the runs the scope stopped if it has room again
     cost = _amount(add_cost, "add_cost") or _ZERO
     tokens = _tokens(add_tokens, "add_tokens") or 0
-    if not (cost or tokens):
-        raise InvalidCap("nothing to top up: give add_cost, add_tokens, or both")
     refresh()
     cap = _cap_of(scope, stored)
     if cap is None:

@@ -340,6 +340,10 @@ CROSS_FIELD_RULES: dict[str, dict[str, Any]] = {
     },
 }
 UNIQUE_ITEMS = {"QuestionWaitInputRequest": ("choices",)}
+# amounts of money as the serializers accept them: at least one digit (DRF's own pattern
+# lets "" through, which a field that is not nullable then refuses)
+AMOUNT = "^\\d{1,6}(?:\\.\\d{0,6})?$"
+AMOUNTS = {"SpendSettleRequest": ("cost",)}
 
 
 def add_links(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict:
@@ -363,6 +367,11 @@ def add_links(result: dict[str, Any], generator: Any, request: Any, public: bool
             prop = schemas.get(name, {}).get("properties", {}).get(field)
             if prop is not None:
                 prop["uniqueItems"] = True
+    for name, fields in AMOUNTS.items():
+        for field in fields:
+            prop = schemas.get(name, {}).get("properties", {}).get(field)
+            if prop is not None:
+                prop["pattern"] = AMOUNT
     for name, schema in schemas.items():
         if name.endswith("Request"):
             _no_null_characters(schema)

@@ -136,7 +136,10 @@ class SpendCapListApi(APIView):
         summary="Set a spend cap (operators; audited): per agent, per principal, per "
         "principal per day, or everything per day",
         request=SpendCapInputSerializer,
-        responses={200: SpendScopeSerializer(many=True), **errors("validation_error")},
+        responses={
+            200: SpendScopeSerializer(many=True),
+            **errors("validation_error", "not_found"),
+        },
     )
     def post(self, request):
         payload = SpendCapInputSerializer(data=request.data)

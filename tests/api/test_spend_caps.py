@@ -78,15 +78,25 @@ def test_a_viewer_may_not_set_a_cap_or_top_up(as_viewer):
     "body",
     [
         {"scope": "eternity", "max_cost": "1"},
-        {"scope": "global_day"},  # no maximum
         {"scope": "global_day", "max_cost": "-1"},
         {"scope": "global_day", "max_tokens": "7"},  # a string is not a number
-        {"scope": "agent", "subject": "no_such_agent", "max_cost": "1"},
-        {"scope": "principal", "subject": "nobody", "max_cost": "1"},
     ],
 )
 def test_a_cap_that_cannot_apply_is_a_validation_error(as_operator, body):
     assert_error(as_operator.post(URL, body, format="json"), 400, "validation_error")
+    assert not SpendCap.objects.exists()
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"scope": "agent", "subject": "no_such_agent", "max_cost": "1"},
+        {"scope": "principal", "subject": "nobody", "max_cost": "1"},
+    ],
+)
+def test_a_cap_on_an_agent_or_user_that_does_not_exist_is_not_found(as_operator, body):
+    answer = assert_error(as_operator.post(URL, body, format="json"), 404, "not_found")
+    assert "no " in answer["detail"]
     assert not SpendCap.objects.exists()
 
 
