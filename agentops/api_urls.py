@@ -12,6 +12,7 @@ from runs.api import history as history_api
 from runs.api import limits as limits_api
 from runs.api import questions as questions_api
 from runs.api import remote as remote_api
+from runs.api import spend as spend_api
 
 v1 = [
     path("health/", runs_api.HealthApi.as_view(), name="health"),
@@ -54,6 +55,20 @@ v1 = [
     # flow control (docs/agents.md "Limits")
     path("tool-limits/", limits_api.ToolLimitListApi.as_view(), name="tool-limits"),
     path("tool-limits/remove/", limits_api.ToolLimitRemoveApi.as_view(), name="tool-limits-remove"),
+    # spend caps (docs/agents.md "Spend caps")
+    path("spend-caps/", spend_api.SpendCapListApi.as_view(), name="spend-caps"),
+    path("spend-caps/remove/", spend_api.SpendCapRemoveApi.as_view(), name="spend-caps-remove"),
+    path("spend-caps/top-up/", spend_api.SpendTopUpApi.as_view(), name="spend-caps-top-up"),
+    path(
+        "spend-reservations/",
+        spend_api.SpendReservationListApi.as_view(),
+        name="spend-reservations",
+    ),
+    path(
+        "spend-reservations/<int:reservation_id>/settle/",
+        spend_api.SpendReservationSettleApi.as_view(),
+        name="spend-reservation-settle",
+    ),
     path(
         "tool-calls/<int:tool_call_id>/dispatch/",
         remote_api.DispatchApi.as_view(),

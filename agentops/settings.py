@@ -493,8 +493,22 @@ AGENTOPS = {
     # how often (seconds) each worker's sweeper looks for alert causes (runs.alerts); each
     # cause is emailed to operators once, however often it is seen
     "ALERT_INTERVAL": env_float("AGENTOPS_ALERT_INTERVAL", 5.0),
+    # spend caps (runs.spend, docs/operations.md "Spend caps"): the time zone whose days the
+    # per-day caps count (an IANA name), and the share of a cap at which operators are alerted
+    "SPEND_TIME_ZONE": env_str("AGENTOPS_SPEND_TIME_ZONE", "UTC"),
+    "SPEND_WARN_AT": env_float("AGENTOPS_SPEND_WARN_AT", 0.8),
     # the dashboard's "needs me" list shows pending approvals expiring within this many seconds
 }
+try:
+    import zoneinfo as _zoneinfo
+
+    _zoneinfo.ZoneInfo(AGENTOPS["SPEND_TIME_ZONE"])
+except (ValueError, _zoneinfo.ZoneInfoNotFoundError) as _exc:
+    raise ImproperlyConfigured(
+        f"AGENTOPS_SPEND_TIME_ZONE={AGENTOPS['SPEND_TIME_ZONE']!r} is not a time zone"
+    ) from _exc
+if not 0 < AGENTOPS["SPEND_WARN_AT"] < 1:
+    raise ImproperlyConfigured("AGENTOPS_SPEND_WARN_AT must be between 0 and 1 (0.8: 80 %)")
 if AGENTOPS["OUTBOX_CLAIM_SECONDS"] <= AGENTOPS["OUTBOX_SEND_TIMEOUT"] + 1:
     # the pre-send check would never pass: no message would ever be sent
     raise ImproperlyConfigured(
@@ -578,6 +592,10 @@ AGENTOPS_LLM = {
     "INPUT_PRICE": env_decimal("AGENTOPS_LLM_INPUT_PRICE", "0"),
     "OUTPUT_PRICE": env_decimal("AGENTOPS_LLM_OUTPUT_PRICE", "0"),
     "MAX_OUTPUT_TOKENS": env_int("AGENTOPS_LLM_MAX_OUTPUT_TOKENS", 1024),
+    # the most prompt tokens one request is expected to send: with MAX_OUTPUT_TOKENS, the
+    # declared maximum a decision reserves against budgets and spend caps before it asks
+    # (two requests: the answer and one correction), settled at the model's real usage
+    "MAX_PROMPT_TOKENS": env_int("AGENTOPS_LLM_MAX_PROMPT_TOKENS", 16000),
     # steps sent verbatim; older ones are condensed into a summary derived from the record
     "HISTORY_STEPS": env_int("AGENTOPS_LLM_HISTORY_STEPS", 20),
 }

@@ -50,6 +50,11 @@ ROLE_PERMISSIONS: dict[str, list[str]] = {
         # how far audit_verify has verified each chain; what retention exported and dropped
         "runs.view_verifiedchain",
         "runs.view_archivedchain",
+        # spend caps (runs.spend): caps, what each scope spent, reservations, stopped runs
+        "runs.view_spendcap",
+        "runs.view_spendcounter",
+        "runs.view_spendreservation",
+        "runs.view_spendstop",
         "approvals.view_approval",
         "approvals.view_approvaldecision",
         "approvals.view_approvallink",

@@ -239,6 +239,18 @@ def _worker_alerts() -> list[Alert]:
     return _create_missing(candidates)
 
 
+def alert_raise(*, cause: str, kind: str, detail: str, run_id=None) -> Alert | None:
+    """Raise one alert for a cause a service saw happen (a spend cap at 80 %, runs.spend):
+    created once per cause whoever sees it, emailed to operators and told to the listeners.
+    Call it after the commit that made the cause true. None when the cause had its alert."""
+    alert = _create(cause=cause, kind=kind, detail=detail, run_id=run_id)
+    if alert is None:
+        return None
+    _notify([alert])
+    _tell_listeners(alert)
+    return alert
+
+
 def _unnotified() -> list[Alert]:
     """Alerts whose emails were never enqueued (older than ``RETRY_AFTER``, so the process
     that created one is done with it); ``_notify`` claims them."""
@@ -307,6 +319,9 @@ def _subject(alert: Alert) -> str:
         return f"[agentops] Run {str(alert.run_id)[:8]} needs attention"
     if alert.kind == Alert.Kind.NO_LIVE_WORKER:
         return "[agentops] No worker is running"
+    if alert.kind == Alert.Kind.SPEND_CAP:
+        level = alert.cause.rsplit(":", 1)[-1]
+        return f"[agentops] Spend cap {level} % used"
     if alert.cause.startswith("worker_frozen:"):
         return f"[agentops] Worker {alert.worker_name} looks frozen"
     return f"[agentops] Worker {alert.worker_name} stopped"
@@ -322,7 +337,11 @@ def _message(alerts: list[Alert]) -> tuple[str, str]:
             f"{alert.detail}\n\nOpen the console: {_link(alert)}\n\nAlert cause: {alert.cause}\n",
         )
     kinds = Counter(
-        "runs need attention" if a.kind == Alert.Kind.RUN_NEEDS_ATTENTION else "worker problems"
+        "runs need attention"
+        if a.kind == Alert.Kind.RUN_NEEDS_ATTENTION
+        else "spend caps"
+        if a.kind == Alert.Kind.SPEND_CAP
+        else "worker problems"
         for a in alerts
     )
     summary = ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items()))

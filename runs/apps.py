@@ -45,6 +45,11 @@ class RunsConfig(AppConfig):
         register_sweep_hook(flow.sweep_waiters)
         metrics.register_collector(flow.collect_metrics)
 
+        # spend caps: spend by scope in /metrics (runs/spend.py)
+        from runs import spend
+
+        metrics.register_collector(spend.collect_metrics)
+
         # remote agents: the registry resolves manifests; expired remote leases are swept.
         # webhooks: deliveries written with their events, sent by the sweeper (issue 6)
         from runs import remote, webhooks

@@ -34,8 +34,17 @@ from django.db import connection, transaction
 from django.db.models import Exists, F, OuterRef, Subquery, Value, Window
 from django.db.models.functions import Coalesce, Now, RowNumber
 
+from runs import spend
 from runs.errors import DomainError, InvalidInput
-from runs.models import Run, ToolCall, ToolCapacity, ToolLimit, ToolShare, ToolWaiter
+from runs.models import (
+    AgentManifest,
+    Run,
+    ToolCall,
+    ToolCapacity,
+    ToolLimit,
+    ToolShare,
+    ToolWaiter,
+)
 from runs.record.eventtypes import EventType
 from runs.registry import Limits, Tool
 
@@ -54,23 +63,29 @@ _operator_limits: dict[str, Limits] = {}
 _generation: str | None = None
 
 # SQL giving the operators' limits' generation: it changes whenever a row is added, changed
-# or removed. The claim statement returns it (runs.record.postgres/orm.take_lease).
+# or removed. The claim statement returns it (runs.record.postgres/orm.take_lease), followed
+# by the spend caps' (runs.spend) after a "|": one value, no extra query.
 GENERATION_SQL = {
     "postgresql": (
         "(SELECT count(*)::text || ':' || coalesce(max(updated_at)::text, '') "
-        f"FROM {ToolLimit._meta.db_table})"
+        f"FROM {ToolLimit._meta.db_table}) || '|' || {spend.GENERATION_SQL['postgresql']}"
     ),
     "sqlite": (
         f"(SELECT count(*) || ':' || coalesce(max(updated_at), '') FROM {ToolLimit._meta.db_table})"
+        f" || '|' || {spend.GENERATION_SQL['sqlite']}"
     ),
 }
 
 
 def note_generation(generation: str | None) -> None:
-    """The claim (or a remote dispatch) read the operators' limits' generation: re-read them
-    when it changed. No rows, no query."""
+    """The claim (or a remote dispatch) read the operators' limits' generation (and the
+    spend caps', after "|"): re-read them when it changed. No rows, no query."""
     global _generation
-    if generation is None or generation == _generation:
+    if generation is None:
+        return
+    generation, _bar, caps = generation.partition("|")
+    spend.note_generation(caps or None)
+    if generation == _generation:
         return
     with _lock:
         if generation.startswith("0:"):
@@ -285,6 +300,12 @@ def _line(tool_name: str, key: str):
         ToolWaiter.objects.filter(
             Exists(_waited_call()), tool_name=tool_name, limit_key=key, run__status__in=_IN_LINE
         )
+        # a remote agent's run waits in line while its process holds the lease and retries
+        # (``join_line``); one whose lease expired (queued, no process) holds no place
+        .exclude(
+            run__status=Run.Status.QUEUED,
+            run__agent_name__in=AgentManifest.objects.values("name"),
+        )
         .annotate(
             place=Window(RowNumber(), partition_by=[F("share")], order_by=F("id").asc()),
             served=Coalesce(Subquery(served), Value(0)),
@@ -332,6 +353,17 @@ def wait_commit(cp: Any, *, run: Run, call: ToolCall, seq: int, full: AtCapacity
     run.reason_detail = f"{WAITING_PREFIX}{full.tool}"
     # the waiters whose turn it is may be due now (a fair-share deferral, a freed slot)
     transaction.on_commit(lambda: wake(full.tool, full.key))
+
+
+def join_line(run: Run, full: AtCapacity) -> None:
+    """A remote agent's dispatch found its tool full: the run takes its place in the fair
+    line as a hosted run would (its process keeps the lease and dispatches again after
+    ``retry_after``; its turn is kept for it when it comes). Outside the dispatch's
+    transaction, which was rolled back."""
+    ToolWaiter.objects.update_or_create(
+        run_id=run.id,
+        defaults={"tool_name": full.tool, "limit_key": full.key, "share": share_of(run)},
+    )
 
 
 def wake(tool_name: str, key: str) -> int:

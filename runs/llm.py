@@ -579,6 +579,18 @@ class LLMAgent(Agent):
             ctx, call_records(ctx.run_id), config=config, model=model, max_output=max_output
         )
 
+    def decision_maximum(self, run: Run) -> Usage:
+        """A decision's declared maximum (runs.spend): two requests — the answer and one
+        correction — each of at most ``MAX_PROMPT_TOKENS`` in and the output ``decide``
+        asks for out, priced as configured. Reserved before the model is asked, so a request
+        a crash cuts off is counted; settled at the model's real usage."""
+        config = self.config()
+        output = config.max_output_tokens
+        if run.max_tokens is not None:
+            output = max(1, min(output, run.max_tokens - run.tokens_used))
+        prompt = settings.AGENTOPS_LLM.get("MAX_PROMPT_TOKENS", 16000)
+        return Usage(tokens=2 * (prompt + output), cost=config.cost(2 * prompt, 2 * output))
+
     def ask(
         self,
         ctx: DecisionContext,

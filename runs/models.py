@@ -892,6 +892,8 @@ class Alert(models.Model):
         RUN_NEEDS_ATTENTION = "run_needs_attention"
         WORKER_STOPPED = "worker_stopped"
         NO_LIVE_WORKER = "no_live_worker"
+        # a spend cap's scope used 80 % of its limit, or all of it (runs.spend)
+        SPEND_CAP = "spend_cap"
 
     # e.g. "run_needs_attention:<run id>:<event seq>" or "worker_stopped:<name>:<boot id>"
     cause = models.CharField(max_length=300, unique=True)
@@ -995,3 +997,121 @@ class ToolWaiter(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} waiting for {self.tool_name}"
+
+
+# --- spend and token caps (docs/agents.md, "Spend caps"): by scope and period ----------------
+
+
+class SpendCap(models.Model):
+    """An operator's cap on what runs in a scope may spend (money, tokens, or both), set at
+    run time (audited, ``runs.spend``). ``subject``: the agent's name (``agent``), the
+    principal's user id or ``*`` for every principal (``principal``, ``principal_day``; a
+    principal's own cap replaces ``*``), "" for ``global_day``. Day scopes count per day in
+    ``AGENTOPS["SPEND_TIME_ZONE"]``."""
+
+    class Scope(models.TextChoices):
+        AGENT = "agent", "per agent"
+        PRINCIPAL = "principal", "per principal"
+        PRINCIPAL_DAY = "principal_day", "per principal per day"
+        GLOBAL_DAY = "global_day", "everything per day"
+
+    scope = models.CharField(max_length=20, choices=Scope.choices)
+    subject = models.CharField(max_length=200, blank=True)
+    max_cost = models.DecimalField(max_digits=12, decimal_places=6, null=True, blank=True)
+    max_tokens = models.PositiveBigIntegerField(null=True, blank=True)
+    set_by = models.CharField(max_length=200, blank=True)
+    reason = models.TextField(blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [models.UniqueConstraint(fields=["scope", "subject"], name="spendcap_uniq")]
+
+    def __str__(self) -> str:
+        return f"spend cap {self.scope} {self.subject}".strip()
+
+
+class SpendCounter(models.Model):
+    """What one scope spent in one period (``period``: "" for all time, the day's ISO date
+    for day scopes): settled usage, what calls in flight have reserved, and operators'
+    top-ups of that period. Every reservation and settlement of a run in the scope locks this
+    row (in the dispatching or deciding transaction), so concurrent calls share one cap."""
+
+    scope = models.CharField(max_length=20, choices=SpendCap.Scope.choices)
+    subject = models.CharField(max_length=200, blank=True)
+    period = models.CharField(max_length=10, blank=True)
+    cost_used = models.DecimalField(max_digits=14, decimal_places=6, default=0)
+    tokens_used = models.BigIntegerField(default=0)
+    cost_reserved = models.DecimalField(max_digits=14, decimal_places=6, default=0)
+    tokens_reserved = models.BigIntegerField(default=0)
+    cost_added = models.DecimalField(max_digits=14, decimal_places=6, default=0)
+    tokens_added = models.BigIntegerField(default=0)
+    # the limit (cap + top-ups, "cost/tokens") at which the 80 % alert was raised
+    warned_at = models.CharField(max_length=100, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["scope", "subject", "period"], name="spendcounter_uniq")
+        ]
+
+    def __str__(self) -> str:
+        return f"spend of {self.scope} {self.subject} {self.period}".strip()
+
+
+class SpendReservation(models.Model):
+    """A model or tool call's declared maximum, reserved before it is made and charged
+    until its real usage is known: ``held`` while the call is in flight, ``settled`` with
+    the real usage (the provider's answer, the receipt, or an operator), ``cut_off`` when a
+    crash cut the model request off before its decision was saved — charged at its maximum
+    until an operator settles it."""
+
+    class Kind(models.TextChoices):
+        MODEL = "model"
+        TOOL = "tool"
+
+    class State(models.TextChoices):
+        HELD = "held"
+        SETTLED = "settled"
+        CUT_OFF = "cut_off"
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="+")
+    kind = models.CharField(max_length=10, choices=Kind.choices)
+    tool_call = models.ForeignKey(
+        "ToolCall", null=True, blank=True, on_delete=models.CASCADE, related_name="+"
+    )
+    incarnation = models.PositiveBigIntegerField(default=0)
+    cost = models.DecimalField(max_digits=12, decimal_places=6, default=0)
+    tokens = models.BigIntegerField(default=0)
+    state = models.CharField(max_length=10, choices=State.choices, default=State.HELD)
+    cost_settled = models.DecimalField(max_digits=12, decimal_places=6, null=True, blank=True)
+    tokens_settled = models.BigIntegerField(null=True, blank=True)
+    # the SpendCounter ids the reservation is counted in ([] for a dry run, or no cap)
+    counters = models.JSONField(default=list, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    settled_at = models.DateTimeField(null=True, blank=True)
+    settled_by = models.CharField(max_length=200, blank=True)
+
+    class Meta:
+        indexes = [
+            models.Index(
+                fields=["run", "kind"],
+                name="spendres_open_idx",
+                condition=~Q(state="settled"),
+            ),
+            models.Index(fields=["tool_call"], name="spendres_call_idx"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.kind} reservation {self.id} of run {self.run_id} ({self.state})"
+
+
+class SpendStop(models.Model):
+    """A run a cap stopped (``needs_attention``, ``budget_exhausted``), and which scope's
+    counter: an operator's top-up of that scope resumes it."""
+
+    run = models.OneToOneField(Run, on_delete=models.CASCADE, related_name="spend_stop")
+    counter = models.ForeignKey(SpendCounter, on_delete=models.CASCADE, related_name="stops")
+    since = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} stopped by {self.counter}"

@@ -288,6 +288,11 @@ class Tool:
     # How much of its downstream the tool may use across all workers (``Limits``); an
     # operator's limit (``runs.models.ToolLimit``) replaces it at run time
     limits: Limits | None = None
+    # What one call may cost at most (money, tokens): reserved against the spend caps that
+    # cover a run when the call is dispatched, charged when it succeeds (runs.spend,
+    # docs/agents.md "Spend caps"); None: the call costs nothing a cap counts
+    max_cost: Decimal | None = None
+    max_tokens: int | None = None
     declared_version: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
@@ -298,6 +303,12 @@ class Tool:
         self.resend = Resend(self.resend)
         if self.timeout <= 0:
             raise ValueError(f"tool {self.name}: timeout must be positive")
+        if self.max_cost is not None:
+            self.max_cost = Decimal(str(self.max_cost))
+            if self.max_cost < 0:
+                raise ValueError(f"tool {self.name}: max_cost must not be negative")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise ValueError(f"tool {self.name}: max_tokens must not be negative")
         jsonschema.Draft202012Validator.check_schema(self.schema)
         self.compatible_with = tuple(self.compatible_with)
         self.money_arguments = dict(self.money_arguments)
@@ -451,6 +462,9 @@ NOT_IN_FINGERPRINT = frozenset(
         # what a dry run calls instead of the tool: never part of a real call's effect, so
         # declaring or changing it must not retire real calls in flight or re-ask approvals
         "dry_run",
+        # what a call may cost, for the spend caps (runs.spend): accounting, not behaviour
+        "max_cost",
+        "max_tokens",
     }
 )
 _FINGERPRINT_LENGTH = 16  # hex characters; ToolCall.tool_version holds up to 64
@@ -853,6 +867,13 @@ class Agent:
 
     def decide(self, ctx: DecisionContext) -> Action:
         raise NotImplementedError
+
+    def decision_maximum(self, run: Any) -> Usage | None:
+        """The most one decision of ``run`` may cost (an agent that asks a model: its
+        requests' declared maximum), reserved before ``decide`` is called and settled at the
+        ``Usage`` it returns (runs.spend: a request a crash cuts off still counts). None (the
+        default): deciding costs nothing; nothing is reserved."""
+        return None
 
     def apply(self, state: dict[str, Any], step: StepView) -> dict[str, Any]:
         return state

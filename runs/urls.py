@@ -3,7 +3,7 @@ from __future__ import annotations
 from django.urls import path
 
 from runs import views
-from runs.views import console, detail, limits, outcomes, question_link
+from runs.views import console, detail, limits, outcomes, question_link, spend
 
 app_name = "runs"
 
@@ -34,6 +34,7 @@ urlpatterns = [
     # the unknown-outcomes inbox (runs.views.outcomes)
     path("unknown/", outcomes.unknown_inbox, name="unknown"),
     path("limits/", limits.tool_limits, name="limits"),
+    path("spend/", spend.spend_caps, name="spend"),
     path("unknown/triage/", outcomes.unknown_triage, name="unknown_triage"),
     path("tool-calls/<int:call_id>/resolve/", outcomes.toolcall_resolve_view, name="resolve"),
     # emailed single-use link: GET shows the question, POST answers (runs.views.links)

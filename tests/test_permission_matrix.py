@@ -30,6 +30,8 @@ from runs.models import (
     Run,
     RunEvent,
     Signal,
+    SpendCap,
+    SpendCounter,
     Step,
     ToolCall,
     ToolLimit,
@@ -150,6 +152,8 @@ def _snapshot() -> tuple:
             for m in AgentManifest.objects.all()
         ),
         sorted(ToolLimit.objects.values_list("tool_name", "max_in_flight", "rate")),
+        sorted(SpendCap.objects.values_list("scope", "subject", "max_cost")),
+        sorted(SpendCounter.objects.values_list("scope", "subject", "period", "cost_added")),
     )
 
 
@@ -318,6 +322,10 @@ def simple(make: Callable[[World], Any], do: Callable[[World, Any], Any]):
     return act
 
 
+def _global_day_cap(w: World) -> None:
+    SpendCap.objects.create(scope="global_day", max_cost=5, set_by="test")
+
+
 def web_post(w: World, path: str, data: dict) -> Any:
     return web_client(w.tester).post(path, data)
 
@@ -343,6 +351,22 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
         simple(
             lambda w: None,
             lambda w, _: api_post(w, "tool-limits/", {"tool_name": "refund_payment", "rate": 5}),
+        ),
+        OPERATE,
+    ),
+    "api set spend cap": (
+        simple(
+            lambda w: None,
+            lambda w, _: api_post(w, "spend-caps/", {"scope": "global_day", "max_cost": "5"}),
+        ),
+        OPERATE,
+    ),
+    "api top up spend cap": (
+        simple(
+            _global_day_cap,
+            lambda w, _: api_post(
+                w, "spend-caps/top-up/", {"scope": "global_day", "add_cost": "1"}
+            ),
         ),
         OPERATE,
     ),
@@ -440,6 +464,15 @@ ACTIONS: dict[str, tuple[Callable[[World], Any], set[str]]] = {
                 w,
                 "/limits/",
                 {"tool_name": "refund_payment", "max_in_flight": "2", "per_seconds": "1"},
+            ),
+        ),
+        OPERATE,
+    ),
+    "console set spend cap": (
+        simple(
+            lambda w: None,
+            lambda w, _: web_post(
+                w, "/spend/", {"action": "set", "scope": "global_day", "max_cost": "5"}
             ),
         ),
         OPERATE,

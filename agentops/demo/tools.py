@@ -15,6 +15,7 @@ that does not match the sandbox is a configuration error (docs/agents.md).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
@@ -199,6 +200,9 @@ REFUND_PAYMENT = Tool(
     honours_key=_honours("key"),
     honours_deadline=_honours("deadline"),
     resend=settings.AGENTOPS["SANDBOX_RESEND"],
+    # the payment provider's fee per refund: what a spend cap counts for each refund that
+    # succeeds (runs.spend; docs/agents.md "Spend caps") — try a principal's daily cap of 0.50
+    max_cost=Decimal("0.25"),
 )
 
 

@@ -11,7 +11,7 @@ A module for what each part serves: ``base`` (the read-only base classes, the ca
 paginator) and ``filters``, then ``runs`` (runs and steps, and the actions on runs),
 ``toolcalls``, ``events`` (run events and the audit log), ``waits``, ``messages`` (outbox,
 webhooks, alerts), ``api`` (tokens, idempotent requests, remote agents), ``limits`` (flow
-control), ``workers`` (and django-q2's models, kept out), ``accounts`` (users, groups, sign-in
+control), ``spend`` (spend caps), ``workers`` (and django-q2's models, kept out), ``accounts`` (users, groups, sign-in
 lockouts). Importing the package registers them all (Django's admin autodiscovery).
 """
 
@@ -24,6 +24,7 @@ from runs.admin import (  # noqa: F401  (each module registers its models)
     limits,
     messages,
     runs,
+    spend,
     toolcalls,
     waits,
     workers,

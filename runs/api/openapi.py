@@ -171,6 +171,12 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {
     ("/api/v1/approvals/{approval_id}/decision/", "post", "200"): {
         "GetApprovalRun": link("v1_runs_retrieve", run_id="$response.body#/run"),
     },
+    # spend caps (runs.api.spend): a cut-off model request -> its settlement
+    ("/api/v1/spend-reservations/", "get", "200"): {
+        "SettleReservation": link(
+            "v1_spend_reservations_settle_create", reservation_id="$response.body#/0/id"
+        ),
+    },
     # approval policies (approvals.policy_api): a drafted version -> read, simulate, publish
     ("/api/v1/policies/", "post", "201"): {
         **policy_version_links(ID),
@@ -220,6 +226,21 @@ EXAMPLES: dict[str, dict[str, Any]] = {
         "reason": "The payment provider allows 10 refunds a minute.",
     },
     "ToolLimitRemoveRequest": {"tool_name": "refund_payment", "reason": "Lifted by the PSP."},
+    "SpendCapInputRequest": {
+        "scope": "principal_day",
+        "subject": "alice",
+        "max_cost": "25.00",
+        "max_tokens": 2000000,
+        "reason": "Alice's team budget.",
+    },
+    "SpendCapRemoveRequest": {"scope": "principal_day", "subject": "alice"},
+    "SpendTopUpRequest": {
+        "scope": "principal_day",
+        "subject": "alice",
+        "add_cost": "10.00",
+        "reason": "Month-end batch approved by finance.",
+    },
+    "SpendSettleRequest": {"cost": "0.041200", "tokens": 10300},
     "SignalInputRequest": {
         "name": "customer_replied",
         "payload": {"text": "Yes, please."},
@@ -328,6 +349,10 @@ CROSS_FIELD_RULES: dict[str, dict[str, Any]] = {
     },
 }
 UNIQUE_ITEMS = {"QuestionWaitInputRequest": ("choices",)}
+# amounts of money as the serializers accept them: at least one digit (DRF's own pattern
+# lets "" through, which a field that is not nullable then refuses)
+AMOUNT = "^\\d{1,6}(?:\\.\\d{0,6})?$"
+AMOUNTS = {"SpendSettleRequest": ("cost",)}
 
 
 def add_links(result: dict[str, Any], generator: Any, request: Any, public: bool) -> dict:
@@ -351,6 +376,11 @@ def add_links(result: dict[str, Any], generator: Any, request: Any, public: bool
             prop = schemas.get(name, {}).get("properties", {}).get(field)
             if prop is not None:
                 prop["uniqueItems"] = True
+    for name, fields in AMOUNTS.items():
+        for field in fields:
+            prop = schemas.get(name, {}).get("properties", {}).get(field)
+            if prop is not None:
+                prop["pattern"] = AMOUNT
     for name, schema in schemas.items():
         if name.endswith("Request"):
             _no_null_characters(schema)

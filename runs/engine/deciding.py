@@ -7,7 +7,7 @@ from typing import Any
 
 from django.db.models import F
 
-from runs import flow, waitrules
+from runs import flow, spend, waitrules
 from runs.engine.lease import (
     Lease,
     Outcome,
@@ -184,9 +184,9 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
         precondition_fingerprint=fingerprint,
         policy_input=facts,
     )
-    # a limited tool's call is decided first, then dispatched under its limit (``dispatch``):
-    # one more commit, for limited tools only
-    limited = flow.limit_for(tool) is not None
+    # a limited tool's call, or a call of a run a spend cap covers, is decided first, then
+    # dispatched under its limit and caps (``dispatch``): one more commit, for those only
+    limited = flow.limit_for(tool) is not None or spend.applies(run)
     if (
         execute
         and not limited
@@ -393,7 +393,7 @@ def _decide_family_call(
     receipt = getattr(sibling, "receipt", None)
     adopt = receipt is not None and receipt.outcome == ToolReceipt.Outcome.SUCCEEDED
     in_doubt = not adopt and receipt is None and sibling.attempt_count > 0
-    limited = flow.limit_for(tool) is not None
+    limited = flow.limit_for(tool) is not None or spend.applies(run)
     with lease.checkpoint() as cp:
         step = Step(
             run_id=run.id,

@@ -28,6 +28,7 @@ from runs.record.common import LIVE_FIELDS
 from runs.record.eventtypes import EventType
 from runs.record.runs import run_finish, run_park, run_pause, run_release
 from runs.registry import Agent, Tool, Usage
+from runs.spend import add_usage
 
 # one logger for the whole engine, named as before the split: log filters and the
 # "logger" field of JSON lines say runs.engine (docs/operations.md)
@@ -55,6 +56,9 @@ class Lease:
     RECOVERY_COUNTED_AT_CLAIM: ClassVar[bool] = True
     # what the decision being recorded cost (an LLM agent's tokens): written with it
     decision_usage: Usage | None = None
+    # the model request's reservation (runs.spend), settled by the first commit after the
+    # model was asked: at the decision's usage, or nothing when no decision came
+    decision_reservation: Any = None
     # monotonic clock when the latest ``dispatching`` commit was prepared: the tool's local
     # send budget starts here, before the statement that computes its deadlines (DESIGN §9)
     dispatch_started: float | None = None
@@ -81,6 +85,8 @@ class Lease:
             expect=self.run,
         ) as cp:
             yield cp
+            if self.decision_reservation is not None:
+                _settle_decision(cp, self)
             if self.decision_usage is not None and "decided" in cp.boundaries:
                 _record_decision_usage(cp, self, self.decision_usage)
         if cp.boundaries:
@@ -169,7 +175,7 @@ def _record_decision_usage(cp: Checkpoint, lease: Lease, usage: Usage) -> None:
         Step.objects.filter(run_id=lease.run.id, seq=seq).update(
             tokens=usage.tokens, cost=usage.cost
         )
-    cp.update(tokens_used=F("tokens_used") + usage.tokens, cost_used=F("cost_used") + usage.cost)
+    add_usage(cp, tokens=usage.tokens, cost=usage.cost)
     for event in cp.events:
         if event.type == EventType.STEP_DECIDED:
             event.payload["usage"] = json.loads(
@@ -183,6 +189,16 @@ def _record_decision_usage(cp: Checkpoint, lease: Lease, usage: Usage) -> None:
     lease.run.tokens_used += usage.tokens
     lease.run.cost_used += usage.cost
     lease.decision_usage = None
+
+
+def _settle_decision(cp: Checkpoint, lease: Lease) -> None:
+    """The first commit after the model was asked (the decision's, or a postponement's, a
+    park's, a failure's) settles its reservation: at the decision's usage, or nothing."""
+    from runs import spend
+
+    reservation, lease.decision_reservation = lease.decision_reservation, None
+    usage = lease.decision_usage or Usage()
+    spend.settle(cp, reservation, cost=usage.cost, tokens=usage.tokens, by=lease.actor)
 
 
 def _describe(exc: BaseException) -> str:

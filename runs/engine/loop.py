@@ -11,7 +11,7 @@ from contextlib import ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any
 
-from runs import logs, tracing
+from runs import logs, spend, tracing
 from runs.engine import serving
 from runs.engine.claim import claim
 from runs.engine.continuing import _continue_step
@@ -29,12 +29,19 @@ from runs.engine.lease import (
     principal_refusal,
 )
 from runs.engine.toolcalls import _LeaseKeeper
-from runs.models import Run, Step
+from runs.models import Run, SpendReservation, Step
 from runs.record import transitions
 from runs.record.checkpoint import LeaseLost, checkpoint
 from runs.record.eventtypes import EventType
-from runs.record.runs import run_pause, run_release, run_terminate
-from runs.registry import Decision, DecisionContext, DecisionPostponed, ModelWithdrawn, StepView
+from runs.record.runs import run_park, run_pause, run_release, run_terminate
+from runs.registry import (
+    Decision,
+    DecisionContext,
+    DecisionPostponed,
+    ModelWithdrawn,
+    StepView,
+    Usage,
+)
 
 
 def advance(run_id: Any, *, worker: str) -> str:
@@ -260,6 +267,8 @@ def advance_once(lease: Lease) -> str:
     if exhausted:
         park_needs_attention(lease, Run.Reason.BUDGET_EXHAUSTED, exhausted)
         return Outcome.PARKED
+    if _reserve_decision(lease):
+        return Outcome.PARKED
     # an agent that asks a remote model may take longer than half a lease: keep it renewed
     keeper = _LeaseKeeper(lease) if getattr(lease.agent, "slow_decide", False) else nullcontext()
     try:
@@ -287,10 +296,52 @@ def advance_once(lease: Lease) -> str:
     if isinstance(action, Decision):
         # recorded in the decided commit (Lease.checkpoint), whatever the action turns out to be
         action, lease.decision_usage = action.action, action.usage
+    elif lease.decision_reservation is not None:
+        # a reservation is settled at what the decision says it cost: nothing, here
+        lease.decision_usage = Usage()
     try:
         return _decide(lease, action)
     finally:
         lease.decision_usage = None
+
+
+def _reserve_decision(lease: Lease) -> bool:
+    """Before an agent asks its model (``Agent.decision_maximum``), in a commit of its own:
+    requests an earlier incarnation left unsettled are charged (``spend.cut_off``), the
+    run's budget is checked again with them, the spend caps that cover the run are checked
+    (their counters locked), and the request's maximum is reserved — persisted before the
+    request leaves, so a crash cannot make its spend disappear. True when the run stopped
+    instead (``budget_exhausted``). An agent that asks no model: nothing, no query."""
+    declared = getattr(lease.agent, "decision_maximum", None)
+    maximum = declared(lease.run) if declared is not None else None
+    if maximum is None:
+        return False
+    stopped = False
+    with lease.checkpoint() as cp:
+        spend.charge_cut_off(cp, run=lease.run, fence=lease.fence)
+        exhausted = budget_exhausted(lease)
+        if exhausted:
+            run_park(cp, Run.Reason.BUDGET_EXHAUSTED, exhausted)
+            stopped = True
+        else:
+            try:
+                counters = spend.check(cp, run=lease.run, now=lease.now())
+            except spend.CapReached as full:
+                spend.stop_run(cp, run=lease.run, full=full)
+                stopped = True
+            else:
+                reservation = spend.reserve(
+                    cp,
+                    run=lease.run,
+                    kind=SpendReservation.Kind.MODEL,
+                    cost=maximum.cost,
+                    tokens=maximum.tokens,
+                    fence=lease.fence,
+                    counters=counters,
+                )
+    if not stopped:
+        lease.decision_reservation = reservation
+    return stopped
 
 
 def _context(lease: Lease) -> DecisionContext:

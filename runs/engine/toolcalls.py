@@ -15,7 +15,7 @@ from django.db import connection
 from django.db.models import F
 from django.db.models.functions import Now
 
-from runs import flow, jsonlimits
+from runs import flow, jsonlimits, spend
 from runs.dbtime import db_now, db_now_expression
 from runs.engine.lease import (
     Lease,
@@ -121,6 +121,7 @@ def dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: b
                 )
             return Outcome.CONTINUE
     limits = flow.limit_for(tool)
+    capped = spend.applies(lease.run)
     try:
         with lease.checkpoint() as cp:
             # the CURRENT policy, re-evaluated in the dispatch transaction on the facts the
@@ -140,6 +141,11 @@ def dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: b
                 # the tool's limit, in this transaction, before anything is consumed: over
                 # it, everything here rolls back and the run waits for capacity
                 flow.acquire(cp, run=lease.run, call=call, tool_name=tool.name, limits=limits)
+            if capped:
+                # the spend caps that cover the run, in this transaction too: a scope with no
+                # room left rolls everything back and stops the run; else the tool's declared
+                # maximum is reserved until its receipt
+                spend.reserve_tool(cp, run=lease.run, call=call, tool=tool, fence=lease.fence)
             if call.status == ToolCall.Status.APPROVED:
                 # approved calls always use their approval up, even when an edit brought the
                 # arguments below the policy's threshold: an approval is never left to reuse
@@ -159,6 +165,14 @@ def dispatch(lease: Lease, step: Step, call: ToolCall, tool: Tool, *, execute: b
             raise  # a remote agent is told to retry later (runs.remote)
         with lease.checkpoint() as cp:
             flow.wait_commit(cp, run=lease.run, call=call, seq=step.seq, full=full)
+        return Outcome.PARKED
+    except spend.CapReached as full:
+        if not execute:
+            raise  # a remote dispatch stops the run after its transaction (runs.remote)
+        # the decision is kept (the call stays undispatched): a top-up of the scope resumes
+        # the run, and the call is dispatched then
+        with lease.checkpoint() as cp:
+            spend.stop_run(cp, run=lease.run, full=full)
         return Outcome.PARKED
     if not execute:
         return Outcome.CONTINUE

@@ -49,7 +49,7 @@ def backwards(apps, schema_editor):
 
 
 class Migration(migrations.Migration):
-    dependencies = [("runs", "0026_policy_toolcall_policy_input")]
+    dependencies = [("runs", "0027_spend_caps")]
 
     operations = [
         migrations.CreateModel(

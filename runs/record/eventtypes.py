@@ -55,6 +55,10 @@ class EventType(models.TextChoices):
     )
     TOOL_VERSION_CHANGED = "tool.version_changed", "A call moved to its tool's new version"
     TOOL_CAPACITY_GRANTED = "tool.capacity_granted", "A call got a slot under its tool's limit"
+    # spend caps (runs.spend)
+    SPEND_CAP_REACHED = "spend.cap_reached", "A spend cap's scope was used up: the run stopped"
+    SPEND_CUT_OFF = "spend.cut_off", "A model request a crash cut off was charged at its maximum"
+    SPEND_SETTLED = "spend.settled", "An operator settled a cut-off request with its real usage"
     # approvals
     APPROVAL_REQUESTED = "approval.requested", "A tool call's approval was asked"
     APPROVAL_DECIDED = "approval.decided", "An approver decided (approved or rejected)"

@@ -109,8 +109,11 @@ def run_pause(
 
 
 def run_resume(cp: Checkpoint, *, by: str) -> None:
+    """Runnable again at once: a wake-up time it had before it stopped (a capacity waiter's
+    30 s fallback, a backoff) is dropped — what it waited for is checked again at the claim,
+    and a capacity waiter waits again, in its turn, if its tool is still full."""
     cp.event(EventType.RUN_RESUMED, by=by)
-    run_queue(cp, reason_code="", reason_detail="")
+    run_queue(cp, reason_code="", reason_detail="", wake_at=None)
 
 
 def run_finish(

@@ -9,7 +9,7 @@ from typing import Any
 
 from django.db.models import F
 
-from runs import engine
+from runs import engine, spend
 from runs.actors import Actor
 from runs.models import Run, Step
 from runs.record import transitions
@@ -23,7 +23,7 @@ from runs.remote.lease import (
     honour_request,
     lease_holder_check,
 )
-from runs.services import InvalidInput, InvalidState
+from runs.services import BudgetExhausted, InvalidInput, InvalidState
 
 DECISION = Step.Kind.DECISION  # the Step kind of a remote agent's own checkpointed decision
 
@@ -91,6 +91,9 @@ def remote_step_record(
         raise InvalidState("a tool call step is still open: record its receipt first")
     seq = _next_seq(lease, seq)
     _check_budget(lease)
+    stopped = spend.stop_if_full(lease)
+    if stopped:
+        raise BudgetExhausted(stopped + "; the run now needs a person (a top-up of the scope)")
     with lease.checkpoint() as cp:
         step = transitions.step_ended(
             run_id, seq=seq, kind=DECISION, incarnation=fence, input=input
@@ -106,6 +109,8 @@ def remote_step_record(
         if state is not None:
             updates.update(state=state, state_version=F("state_version") + 1)
         cp.update(**updates)
+        # the scopes a spend cap covers count it too (reported after the fact, not reserved)
+        spend.charge_reported(cp, run=lease.run, cost=cost, tokens=tokens)
         cp.boundary("decided")
         cp.boundary("step_completed")
     return StepRecorded(step, False)

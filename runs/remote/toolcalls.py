@@ -12,7 +12,7 @@ from django.db import IntegrityError, transaction
 from django.db.models import F
 from django.db.models.functions import Now
 
-from runs import engine
+from runs import engine, flow, spend
 from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
 from runs.gate import get_gate
@@ -441,6 +441,29 @@ def remote_toolcall_dispatch(
     step = lease.open_step()
     if step is None or step.id != call.step_id:
         raise InvalidState(f"the call is {call.status}; it is not the run's open step")
+    try:
+        replayed = _dispatch_in_transaction(lease, step, call, fence, precondition)
+    except flow.AtCapacity as full:
+        # in the fair line with the hosted runs: its turn is kept for it (issue 26)
+        flow.join_line(lease.run, full)
+        raise
+    except spend.CapReached as full:
+        # a spend cap's scope is used up: nothing is dispatched, the run stops for a top-up
+        with lease.checkpoint() as cp:
+            spend.stop_run(cp, run=lease.run, full=full)
+        call.refresh_from_db()
+        return Dispatch(False, call, f"the run stopped: {full.detail}")
+    if replayed is not None:
+        return replayed
+    call.refresh_from_db()
+    return _dispatch_outcome(lease, call)
+
+
+def _dispatch_in_transaction(
+    lease: RemoteLease, step: Step, call: ToolCall, fence: int, precondition: str
+) -> Dispatch | None:
+    """The dispatch's one transaction; a ``Dispatch`` when it is answered without the engine
+    (a repeat, a changed tool), else None (the call's status says what happened)."""
     with transaction.atomic():
         # nothing here waits for I/O: a remote tool's precondition is the fingerprint the
         # agent reported, and the tool call itself is the agent's, after this commit
@@ -470,7 +493,13 @@ def remote_toolcall_dispatch(
             engine.dispatch(lease, step, call, tool, execute=False)
         finally:
             _reported_fingerprint.reset(token)
-    call.refresh_from_db()
+    return None
+
+
+def _dispatch_outcome(lease: RemoteLease, call: ToolCall) -> Dispatch:
+    tool = _registered(call)
+    timeout = tool.timeout if tool is not None else None
+    dry = {"dry_run": lease.run.dry_run, "execute": not _simulated(lease, call)}
     if call.status == ToolCall.Status.DISPATCHING:
         return Dispatch(
             True, call, _DRY_RUN_REASON if not dry["execute"] else "", False, timeout, **dry

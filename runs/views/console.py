@@ -23,7 +23,7 @@ from django.urls import NoReverseMatch, reverse
 from django.utils.http import url_has_allowed_host_and_scheme
 from django.views.decorators.http import require_http_methods, require_POST
 
-from runs import jsonlimits, selectors, services
+from runs import jsonlimits, selectors, services, spend
 from runs.actors import Actor
 from runs.actors import PermissionDenied as ActorPermissionDenied
 from runs.forms import UnclippedCharField
@@ -62,6 +62,8 @@ def dashboard(request: HtmxHttpRequest) -> HttpResponse:
         "events": selectors.recent_events(limit=20),
         "alerts": selectors.recent_alerts(limit=10),
         "undelivered": selectors.undelivered_messages(limit=10),
+        # each capped scope with what it has left (runs.spend): one query with no cap
+        "spend": spend.scope_views(),
     }
     template = "runs/dashboard.html#dashboard-live" if request.htmx else "runs/dashboard.html"
     return render(request, template, context)

@@ -327,12 +327,13 @@ def test_query_count_is_constant(
     # on, parked runs, open questions, pending approvals, my groups, my decisions, my API
     # tokens, the runs I drove (separation of duties), and twice the receipts of tools that
     # declare a sensitive output (runs.masking: the calls' reasons, the approvals); workers,
-    # recent events, recent alerts, undelivered emails and webhook deliveries; on PostgreSQL
-    # the counts read the table's size estimate first (selectors.run_status_counts)
+    # recent events, recent alerts, undelivered emails and webhook deliveries, the spend
+    # caps (none here: their counters are not read); on PostgreSQL the counts read the
+    # table's size estimate first (selectors.run_status_counts)
     estimate = 1 if connection.vendor == "postgresql" else 0
-    with django_assert_num_queries(20 + estimate):
+    with django_assert_num_queries(21 + estimate):
         page = client.get(DASHBOARD)
-    with django_assert_num_queries(20 + estimate):
+    with django_assert_num_queries(21 + estimate):
         partial = client.get(DASHBOARD, headers={"HX-Request": "true"})
     assert page.status_code == partial.status_code == 200
     assert page.context["needs_you"].count == 2 * scale  # each unknown call, each approval

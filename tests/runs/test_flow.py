@@ -331,3 +331,37 @@ def test_a_waiter_whose_call_was_cancelled_gives_its_place_up(register, system_a
     assert flow._next_waiters("line_api", "", 1) == [behind.id]
     flow.sweep_waiters()
     assert list(ToolWaiter.objects.values_list("run_id", flat=True)) == [behind.id]
+
+
+def test_a_resumed_capacity_waiter_goes_at_once_not_after_its_fallback(register, system_actor):
+    """A run paused while it waited for capacity keeps no stale 30 s fallback wake-up when an
+    operator resumes it: it is claimable at once (and waits again, in turn, if still full)."""
+    from runs import services
+    from tests.conftest import drive
+
+    second: dict = {}
+
+    def first_in_flight(arguments, ctx):
+        if arguments.get("n") == 1:
+            assert engine.advance(second["run"].id, worker="w2") == "parked"
+            services.run_pause(run_id=second["run"].id, actor=system_actor, reason="hold")
+
+    body = CountingTool(first_in_flight)
+    register(
+        _limited_tool("one_slot", body, Limits(max_in_flight=1)),
+        _one_call_agent("slotted", "one_slot"),
+    )
+    first = run_create(agent_name="slotted", input={"n": 1}, actor=system_actor)
+    second["run"] = run_create(agent_name="slotted", input={"n": 2}, actor=system_actor)
+
+    engine.advance(first.id, worker="w1")
+    assert Run.objects.get(id=first.id).status == Run.Status.SUCCEEDED
+    paused = Run.objects.get(id=second["run"].id)
+    assert paused.status == Run.Status.PAUSED and paused.wake_at is not None
+
+    services.run_resume(run_id=paused.id, actor=system_actor)
+
+    resumed = Run.objects.get(id=paused.id)
+    assert (resumed.status, resumed.wake_at) == (Run.Status.QUEUED, None)
+    assert drive(resumed.id).status == Run.Status.SUCCEEDED
+    assert len(body.calls) == 2

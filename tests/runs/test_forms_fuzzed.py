@@ -177,6 +177,23 @@ FORMS = [
         "post",
         ("outcome", "external_ref", "result", "confirm_risk"),
     ),
+    (
+        "spend caps",
+        "/spend/",
+        "post",
+        (
+            "action",
+            "scope",
+            "subject",
+            "max_cost",
+            "max_tokens",
+            "add_cost",
+            "add_tokens",
+            "reservation",
+            "cost",
+            "tokens",
+        ),
+    ),  # fmt: skip
     ("answer", "/questions/{question}/", "post", ("answer",)),
     ("question link", "/questions/link/{question_token}/", "post", ("answer",)),
     ("decide", "/approvals/{approval}/decide/", "post", ("action", "comment", "arguments")),

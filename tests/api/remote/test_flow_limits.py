@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from rest_framework.test import APIClient
 
-from runs.models import ToolCall, ToolLimit
+from runs.models import ToolCall, ToolLimit, ToolWaiter
 from tests.api.conftest import assert_error, token_for
 from tests.api.remote_support import Agent, register_remote, remote_run
 
@@ -69,3 +69,25 @@ def test_a_manifest_declares_a_tools_limit_and_bad_limits_are_refused(admin, ope
                                            "limits": bad}]}  # fmt: skip
         answer = admin_client.put("/api/v1/agents/declared_bot/", body, format="json")
         assert_error(answer, 400, "validation_error")
+
+
+def test_remote_agents_over_the_limit_wait_in_the_fair_line(admin, operator, robot):
+    """A remote dispatch told to retry later keeps its place in line (issue 26): when the
+    slot frees, the agent that came first gets it, not whichever retries first."""
+    register_remote(admin, "line_bot", MANIFEST, owner=robot)
+    ToolLimit.objects.create(tool_name="line_bot/charge", max_in_flight=1)
+    agents = [_agent(robot, remote_run(operator, "line_bot"), f"proc-{n}") for n in range(3)]
+    calls = [a.propose("charge", {"n": n}).json()["tool_call"] for n, a in enumerate(agents)]
+    assert agents[0].dispatch(calls[0]["id"]).json()["go"] is True
+    assert_error(agents[1].dispatch(calls[1]["id"]), 429, "at_capacity")
+    assert_error(agents[2].dispatch(calls[2]["id"]), 429, "at_capacity")
+    assert ToolWaiter.objects.count() == 2
+
+    assert agents[0].receipt(calls[0]["id"], outcome="succeeded", result={}).status_code == 200
+    # the third retries first, but the second waited longer: the slot is kept for it
+    body = assert_error(agents[2].dispatch(calls[2]["id"]), 429, "at_capacity")
+    assert body["retry_after"] <= 1
+    assert agents[1].dispatch(calls[1]["id"]).json()["go"] is True
+    assert [str(r) for r in ToolWaiter.objects.values_list("run_id", flat=True)] == [
+        agents[2].run_id
+    ]
