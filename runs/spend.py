@@ -1,3 +1,5 @@
+# size: one concern (caps, counters, reservations and their services) written in one go; to be
+# split into rules below the record and services above (tests/test_import_graph.py says why)
 """Spend and token caps by scope and period (issue 26 item 3; DESIGN §9; docs/agents.md
 "Spend caps", docs/operations.md "Spend caps").
 
@@ -535,7 +537,7 @@ def _warn_if_crossed(cp: Any, counter: SpendCounter, cap: CapLimit, before: floa
     marker = _marker(counter, cap)
     if share < warn_at or counter.warned_at == marker:
         return
-    from runs.audit import audit_record
+    from runs.audit.entries import audit_record
 
     SpendCounter.objects.filter(pk=counter.pk).update(warned_at=marker)
     counter.warned_at = marker
@@ -666,7 +668,7 @@ def _cap_json(row: SpendCap | None) -> dict[str, Any] | None:
 
 
 def _audit(action: str, actor: Any, request: Any, object_id: str, before: Any, after: Any):
-    from runs.audit import audit_record
+    from runs.audit.entries import audit_record
 
     audit_record(
         action=action,

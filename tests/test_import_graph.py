@@ -23,6 +23,15 @@ KNOWN_EDGES = {
         "generation counter (GENERATION_SQL, note_generation) in the claim statement: that "
         "counter belongs below the record, in flow's own split"
     ),
+    ("runs.record.transitions", "runs.spend"): (
+        "a call's spend reservation is settled in the receipt's own commit (settle_call), "
+        "while runs.spend also holds the services above the record (caps, top-ups, alerts, "
+        "parking runs): split it into rules below the record and services above"
+    ),
+    ("runs.flow", "runs.spend"): (
+        "the claim statement reads flow's and the spend caps' generation counters as one "
+        "value (spend.GENERATION_SQL, note_generation): gone with the same split"
+    ),
 }
 
 
