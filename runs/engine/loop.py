@@ -286,7 +286,8 @@ def advance_once(lease: Lease) -> str:
         return Outcome.PARKED
     if isinstance(action, Decision):
         # recorded in the decided commit (Lease.checkpoint), whatever the action turns out to be
-        action, lease.decision_usage = action.action, action.usage
+        lease.decision_usage = action.usage
+        action = action.action
     try:
         return _decide(lease, action)
     finally:
