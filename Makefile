@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install compile run test fuzz lint chaos clean bench
+.PHONY: install compile run test fuzz lint typecheck chaos clean bench
 
 install: $(STAMP)
 
@@ -38,13 +38,20 @@ fuzz: install
 
 # the write path (the record, the engine, the remote protocol, the services that change a
 # run) holds no copied transition or checklist: pylint's duplicate-code finds 6 similar lines
-WRITE_PATH := runs/record runs/engine runs/remote runs/services.py runs/waits.py runs/gate.py \
+WRITE_PATH := runs/record runs/engine runs/remote runs/services.py runs/waits.py runs/waitrules.py \
+	runs/gate.py \
 	approvals/services.py approvals/gate.py
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pylint --disable=all --enable=duplicate-code --min-similarity-lines=6 \
 		--ignore-imports=y --score=n $(WRITE_PATH)
+	$(MAKE) --no-print-directory typecheck
+
+# mypy with django-stubs on the record, the engine, the remote protocol and approvals
+# ([tool.mypy] in pyproject.toml); .ci/run runs it too
+typecheck: install
+	$(BIN)/mypy
 
 chaos: install
 	DEBUG=$${DEBUG:-1} $(BIN)/python manage.py chaos --runs 20 --random-kills 10

@@ -13,6 +13,7 @@ import ipaddress
 import warnings
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import dj_database_url
 from django.core.exceptions import ImproperlyConfigured
@@ -391,7 +392,8 @@ if Q_CLUSTER["timeout"] >= Q_CLUSTER["retry"]:
     raise ImproperlyConfigured("AGENTOPS_Q_TIMEOUT must be smaller than AGENTOPS_Q_RETRY")
 
 # --- the engine ---------------------------------------------------------------------------
-AGENTOPS = {
+# values of several types, read by name (typed where they are read)
+AGENTOPS: dict[str, Any] = {
     # lease length; renewed at every checkpoint and by a heartbeat during tool calls
     "LEASE_TTL": env_float("AGENTOPS_LEASE_TTL", 30.0),
     # issue 23: how long a process trusts what it last read of which tools have a published

@@ -565,13 +565,13 @@ def simulate(version: ApprovalPolicyVersion, *, days: int) -> Simulation:
     )
     if policy.agent_name:
         rows = rows.filter(run__agent_name=policy.agent_name)
-    rows = list(rows[: SIMULATE_MAX_CALLS + 1])
-    truncated = len(rows) > SIMULATE_MAX_CALLS
-    rows = rows[:SIMULATE_MAX_CALLS]
+    calls = list(rows[: SIMULATE_MAX_CALLS + 1])
+    truncated = len(calls) > SIMULATE_MAX_CALLS
+    calls = calls[:SIMULATE_MAX_CALLS]
     group_cache: dict[Any, list[str]] = {}
     results: list[SimulatedCall] = []
     counts: Counter[str] = Counter()
-    for call in rows:
+    for call in calls:
         facts = call.policy_input
         reconstructed = not facts
         if reconstructed:

@@ -28,10 +28,11 @@ from runs.record.common import claimable
 
 log = logging.getLogger(__name__)
 
-_hooks: list[Callable[[], None]] = []
+# a hook may return what it did (a count): nobody reads it
+_hooks: list[Callable[[], object]] = []
 
 
-def register_sweep_hook(hook: Callable[[], None]) -> None:
+def register_sweep_hook(hook: Callable[[], object]) -> None:
     if hook not in _hooks:
         _hooks.append(hook)
 

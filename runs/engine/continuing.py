@@ -35,6 +35,7 @@ def _continue_step(lease: Lease, step: Step) -> str:
     done, tool = open_call(lease, step, call)
     if done is not None:
         return done
+    assert tool is not None  # open_call answers the tool of every call it leaves open
     status = call.status
     if status in (ToolCall.Status.PROPOSED, ToolCall.Status.APPROVED):
         return dispatch(lease, step, call, tool)
@@ -96,7 +97,7 @@ def settle_from_record(lease: Lease, step: Step, call: ToolCall) -> bool:
         error = str(result.get("error", "")) if isinstance(result, dict) else ""
         error = error or call.last_error or "the tool call failed"
     with lease.checkpoint() as cp:
-        complete_step(cp, lease, step, call, ok, receipt.result if ok else None, error)
+        complete_step(cp, lease, step, call, ok, receipt.result if receipt and ok else None, error)
     return True
 
 

@@ -431,6 +431,7 @@ def _decide_family_call(
         cp.boundary("decided")
         cp.insert(call)
         if adopt:
+            assert receipt is not None  # adopt says so
             transitions.record_receipt(
                 cp,
                 call,

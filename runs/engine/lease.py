@@ -133,20 +133,17 @@ def principal_refusal(lease: Lease, tool: Tool | None) -> str:
     if run.principal_id is None:
         return ""
     principal = run.principal  # loaded once per claim: a change is seen at the next claim
+    assert principal is not None  # principal_id is set
     if not principal.is_active:
         return f"principal {principal.get_username()} is deactivated"
-    allowed = (
-        tool is None
-        or not tool.allowed_groups
-        or principal.is_superuser
-        or principal.groups.filter(name__in=tool.allowed_groups).exists()
+    if tool is None or not tool.allowed_groups or principal.is_superuser:
+        return ""
+    if principal.groups.filter(name__in=tool.allowed_groups).exists():
+        return ""
+    return (
+        f"principal {principal.get_username()} is in none of the groups "
+        f"{', '.join(tool.allowed_groups)} that may use {tool.name}"
     )
-    if not allowed:
-        return (
-            f"principal {principal.get_username()} is in none of the groups "
-            f"{', '.join(tool.allowed_groups)} that may use {tool.name}"
-        )
-    return ""
 
 
 def pause_principal_revoked(lease: Lease, detail: str) -> None:

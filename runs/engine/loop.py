@@ -295,7 +295,8 @@ def advance_once(lease: Lease) -> str:
         return Outcome.PARKED
     if isinstance(action, Decision):
         # recorded in the decided commit (Lease.checkpoint), whatever the action turns out to be
-        action, lease.decision_usage = action.action, action.usage
+        lease.decision_usage = action.usage
+        action = action.action
     elif lease.decision_reservation is not None:
         # a reservation is settled at what the decision says it cost: nothing, here
         lease.decision_usage = Usage()

@@ -388,14 +388,15 @@ def _make_storable(lease: Lease, call: ToolCall, answer: ToolResult | Reconcilia
             call.tool_name,
             "; ".join(notes),
         )
-    answer._storage_notes = tuple(notes)
+    # carried on the answer to its receipt's event (_storage_notes): not a declared field
+    answer._storage_notes = tuple(notes)  # type: ignore[union-attr]
 
 
 def _storage_notes(answer: Any) -> tuple[str, ...]:
     return getattr(answer, "_storage_notes", ())
 
 
-_EXTERNAL_REF_MAX = ToolReceipt._meta.get_field("external_ref").max_length
+_EXTERNAL_REF_MAX: int = ToolReceipt._meta.get_field("external_ref").max_length  # type: ignore[assignment]  # a CharField has a max_length
 
 
 def _execute(lease: Lease, step: Step, call: ToolCall, tool: Tool) -> str:
@@ -594,6 +595,7 @@ def _reconcile(
 
     attempt = call.reconcile_attempts + 1
     if outcome == LookupResult.FOUND:
+        assert found is not None  # a lookup that raised answered UNKNOWN
         _make_storable(lease, call, found)
         with lease.checkpoint() as cp:
             ToolCall.objects.filter(id=call.id).update(

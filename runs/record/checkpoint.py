@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from datetime import datetime
 from functools import partial
 from typing import Any
 
@@ -58,6 +59,14 @@ class Event:
     ``seq``, ``created_at``, ``prev_hash`` and ``hash`` are set by the write."""
 
     __slots__ = tuple(f.attname for f in RunEvent._meta.concrete_fields if not f.primary_key)
+    # what the write path reads of the slots (every RunEvent column has one)
+    type: str
+    payload: dict[str, Any]
+    seq: int
+    created_at: datetime
+    payload_digest: str
+    prev_hash: str
+    hash: str
 
     def __init__(self, **values: Any) -> None:
         for name in self.__slots__:
@@ -208,7 +217,7 @@ def checkpoint(
     started = time.perf_counter()
     with ExitStack() as stack:
         unlocked = locked is None and expect is not None and fence is not None
-        if unlocked and rows.backend().UNLOCKED_COMMITS:
+        if unlocked and expect is not None and rows.backend().UNLOCKED_COMMITS:
             cp = Checkpoint(known=expect, actor=actor, channel=channel, fence=fence)
             outer = connection.in_atomic_block
             cp.lock_first = partial(_lock_in, stack, cp, run_id, fence, outer)

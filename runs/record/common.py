@@ -6,10 +6,11 @@ has its key; and which runs a worker (hosted) or an agent process (remote) may c
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from django.db import DatabaseError, models
 from django.db.models import Q
+from django.db.models.fields.related import RelatedField
 from django.db.models.functions import Now
 
 from runs.models import AgentManifest, Run
@@ -53,9 +54,9 @@ LIVE_FIELDS = (
 def links(obj: models.Model, earlier: list[models.Model]) -> list[tuple[models.Field, int]]:
     """Foreign keys of ``obj`` that point at an object inserted before it in the same
     checkpoint: (the field, that object's index)."""
-    found = []
+    found: list[tuple[models.Field, int]] = []
     for model_field in obj._meta.concrete_fields:
-        if model_field.is_relation and model_field.is_cached(obj):
+        if isinstance(model_field, RelatedField) and model_field.is_cached(obj):
             target = model_field.get_cached_value(obj)
             for index, other in enumerate(earlier):
                 if other is target:
@@ -66,15 +67,16 @@ def links(obj: models.Model, earlier: list[models.Model]) -> list[tuple[models.F
 def link(obj: models.Model, inserts: list[models.Model]) -> None:
     for model_field, index in links(obj, inserts[: inserts.index(obj)]):
         setattr(obj, model_field.attname, inserts[index].pk)
-        # setting the key drops the cached object: keep it (no query to read it back)
-        model_field.set_cached_value(obj, inserts[index])
+        # setting the key drops the cached object: keep it (no query to read it back); a
+        # field links() found is a relation
+        cast(RelatedField, model_field).set_cached_value(obj, inserts[index])
 
 
 def link_saved(obj: models.Model) -> None:
     """Fill in a foreign key assigned while its target was unsaved, once the target has its
     key (it was written earlier in the same checkpoint, before a read)."""
     for model_field in obj._meta.concrete_fields:
-        if model_field.is_relation and model_field.is_cached(obj):
+        if isinstance(model_field, RelatedField) and model_field.is_cached(obj):
             target = model_field.get_cached_value(obj)
             unset = getattr(obj, model_field.attname) is None
             if unset and target is not None and target.pk is not None:

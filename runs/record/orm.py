@@ -38,7 +38,7 @@ def insert(obj: M) -> M:
 
 
 def update(model: type[models.Model], pk: Any, **values: Any) -> int:
-    return model.objects.filter(pk=pk).update(
+    return model._default_manager.filter(pk=pk).update(
         **{name: dbtime.db_now_expression(value) for name, value in values.items()}
     )
 

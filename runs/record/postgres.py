@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from contextlib import nullcontext
 from datetime import datetime
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from django.db import DatabaseError, connection, models, transaction
 from django.db.models import F, Value
@@ -73,8 +73,19 @@ _AS_IS_TYPES = {
 }
 
 
+def _field(model: type[models.Model], name: str) -> models.Field[Any, Any]:
+    """A concrete field by name: the write path names only columns (``get_field`` also
+    answers reverse relations and generic keys, which have none)."""
+    return cast("models.Field[Any, Any]", model._meta.get_field(name))
+
+
+def _converters(field: models.Field[Any, Any]) -> list[Any]:
+    """What ``from_db`` applies to the column's raw value (``Field.get_db_converters``)."""
+    return field.get_db_converters(connection)  # type: ignore[attr-defined]  # not in django-stubs 5.2
+
+
 def _mode(field: models.Field) -> int:
-    target = field.target_field if field.is_relation else field
+    target = field.target_field if isinstance(field, models.ForeignObject) else field
     if type(target) not in _AS_IS_TYPES:
         return _PREPARE
     if getattr(field, "auto_now", False) or getattr(field, "auto_now_add", False):
@@ -141,7 +152,7 @@ def insert(obj: M) -> M:
 def update(model: type[models.Model], pk: Any, **values: Any) -> int:
     """``model.objects.filter(pk=pk).update(**values)`` for plain values; rows changed."""
     meta = model._meta
-    items = [(meta.get_field(name), value) for name, value in values.items()]
+    items = [(_field(model, name), value) for name, value in values.items()]
     sql = (
         f"UPDATE {_quote(meta.db_table)} SET "
         + ", ".join(f"{_quote(f.column)} = %s" for f, _value in items)
@@ -155,7 +166,7 @@ def update(model: type[models.Model], pk: Any, **values: Any) -> int:
 
 def save_fields(obj: models.Model, fields: list[str]) -> None:
     """``obj.save(update_fields=fields)`` (``auto_now`` fields among them are stamped)."""
-    values = {name: obj._meta.get_field(name).pre_save(obj, False) for name in fields}
+    values = {name: _field(type(obj), name).pre_save(obj, False) for name in fields}
     if update(type(obj), obj.pk, **values) != 1:
         # what save(update_fields=...) raises when the row is gone
         raise DatabaseError("Save with update_fields did not affect any rows.")
@@ -169,7 +180,7 @@ def lock(run_id: Any, fence: int | None, fields: tuple[str, ...]) -> Run | None:
     key = ("lock", fence is not None, fields)
     if key not in _sql:
         # in the model's field order: Model.from_db() maps a partial row by that order
-        wanted = {Run._meta.get_field(name).attname for name in fields}
+        wanted = {_field(Run, name).attname for name in fields}
         selected = [f for f in Run._meta.concrete_fields if f.attname in wanted]
         where = f"{_quote('id')} = %s"
         if fence is not None:
@@ -191,7 +202,8 @@ def _run_update(run_id: Any, fence: int | None, updates: dict[str, Any]) -> tupl
     values, ``DbNow`` (the lease's expiry, in database time), ``Now()`` and
     ``F(field) ± number``. The SQL is cached per shape (which fields, and how each is set):
     a run's checkpoints come in a handful of shapes."""
-    shape, params = [], []
+    shape: list[tuple[str, str, str | None]] = []
+    params: list[Any] = []
     for name, value in updates.items():
         if isinstance(value, dbtime.DbNow):
             shape.append((name, "db_now", None))
@@ -205,23 +217,23 @@ def _run_update(run_id: Any, fence: int | None, updates: dict[str, Any]) -> tupl
             and isinstance(value.rhs, Value)
         ):
             shape.append((name, value.connector, value.lhs.name))
-            params.append(prepare(Run._meta.get_field(value.lhs.name), value.rhs.value))
+            params.append(prepare(_field(Run, value.lhs.name), value.rhs.value))
         elif hasattr(value, "resolve_expression"):
             raise TypeError(f"a checkpoint cannot write {name} = {value!r}")
         else:
             shape.append((name, "value", None))
-            params.append(prepare(Run._meta.get_field(name), value))  # JSON, decimals
+            params.append(prepare(_field(Run, name), value))  # JSON, decimals
     key = ("update", fence is not None, tuple(shape))
     if key not in _sql:
         assignments = []
         for name, kind, source in shape:
-            column = _quote(Run._meta.get_field(name).column)
+            column = _quote(_field(Run, name).column)
             if kind == "db_now":
                 assignments.append(f"{column} = {dbtime.DbNow.SQL}")
             elif kind == "now":
                 assignments.append(f"{column} = STATEMENT_TIMESTAMP()")
             elif kind in ("+", "-"):
-                source_column = _quote(Run._meta.get_field(source).column)
+                source_column = _quote(_field(Run, cast(str, source)).column)
                 assignments.append(f"{column} = {source_column} {kind} %s")
             else:
                 assignments.append(f"{column} = %s")
@@ -303,7 +315,7 @@ def _write_in_one_statement(cp: Checkpoint, update: tuple[str, list[Any]], expec
         params += [getattr(obj, attname).offset for attname in now_fields]
         params.append(_json({column: field.pre_save(obj, True) for column, field in plan}))
     for model, pk, values in cp.row_updates:
-        params += [prepare(model._meta.get_field(name), v) for name, v in values.items()]
+        params += [prepare(_field(model, name), v) for name, v in values.items()]
         params.append(model._meta.pk.get_db_prep_value(pk, connection))
     params.append(
         _json(
@@ -352,9 +364,9 @@ def _one_statement_sql(
     db_now: list[tuple[str, ...]],
     live_fields: tuple[str, ...],
 ) -> tuple[str, list[Any], list[Any]]:
-    live = [Run._meta.get_field(name) for name in live_fields]
+    live = [_field(Run, name) for name in live_fields]
     ctes = [
-        f"up AS ({update_sql} AND {_quote(Run._meta.get_field('event_seq').column)} = %s "
+        f"up AS ({update_sql} AND {_quote(_field(Run, 'event_seq').column)} = %s "
         f"RETURNING {', '.join(_quote(f.column) for f in live)})"
     ]
     plans, selected = [], []
@@ -384,7 +396,7 @@ def _one_statement_sql(
     for index, (model, _pk, values) in enumerate(cp.row_updates):
         meta = model._meta
         table = _quote(meta.db_table)
-        assignments = ", ".join(f"{_quote(meta.get_field(name).column)} = %s" for name in values)
+        assignments = ", ".join(f"{_quote(_field(model, name).column)} = %s" for name in values)
         ctes.append(
             f"u{index} AS (UPDATE {table} SET {assignments} FROM up "
             f"WHERE {table}.{_quote(meta.pk.column)} = %s RETURNING 1)"
@@ -402,7 +414,7 @@ def _one_statement_sql(
         f"{''.join(', ' + c for c in selected)}"
         f"{''.join(f', (SELECT {_quote(f.column)} FROM up)' for f in live)}"
     )
-    return sql, plans, [(f.attname, f.get_db_converters(connection), f) for f in live]
+    return sql, plans, [(f.attname, _converters(f), f) for f in live]
 
 
 def flow_generation_sql(vendor: str) -> str:
@@ -427,7 +439,7 @@ def take_lease(
         meta = Run._meta
 
         def col(name: str) -> str:
-            return quote(meta.get_field(name).column)
+            return quote(_field(Run, name).column)
 
         fields = meta.concrete_fields
         table, manifests = quote(meta.db_table), quote(AgentManifest._meta.db_table)
@@ -447,7 +459,7 @@ def take_lease(
             f"AND (r.{col('status')} IN ({runnable}) OR (r.{col('status')} = %s "
             f"AND r.{col('wake_at')} IS NOT NULL AND r.{col('wake_at')} <= {now})) "
             f"AND {'' if remote else 'NOT '}(r.{col('agent_name')} IN "
-            f"(SELECT {quote(AgentManifest._meta.get_field('name').column)} FROM {manifests})) "
+            f"(SELECT {quote(_field(AgentManifest, 'name').column)} FROM {manifests})) "
             f"AND (r.{col('lease_expires_at')} IS NULL OR r.{col('lease_expires_at')} < {now}) "
             f"AND (r.{col('wake_at')} IS NULL OR r.{col('wake_at')} <= {now}) "
             # the operators' tool limits' generation (runs.flow): re-read only when changed
@@ -456,7 +468,7 @@ def take_lease(
         )
         _claim_sql[remote] = (
             sql,
-            [(f.attname, f.get_db_converters(connection), f) for f in fields],
+            [(f.attname, _converters(f), f) for f in fields],
         )
     sql, columns = _claim_sql[remote]
     params = [

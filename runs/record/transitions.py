@@ -171,9 +171,10 @@ def call_dispatching(
     machine.check("call", call.status, ToolCall.Status.DISPATCHING)
     call.status = ToolCall.Status.DISPATCHING
     call.attempt_count += 1
-    call.dispatched_at = DbNow()
-    call.send_deadline = DbNow(send)
-    call.landing_deadline = DbNow(landing)
+    # database time: the statement that writes the row computes them (runs.dbtime.DbNow)
+    call.dispatched_at = DbNow()  # type: ignore[assignment]
+    call.send_deadline = DbNow(send)  # type: ignore[assignment]
+    call.landing_deadline = DbNow(landing)  # type: ignore[assignment]
     call.dispatch_incarnation = fence
     cp.event(
         EventType.TOOL_DISPATCHING,

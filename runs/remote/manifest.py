@@ -328,7 +328,7 @@ def _tool_errors(spec: Any) -> list[str]:
     return errors
 
 
-_LIMIT_KEYS = {"max_in_flight": int, "rate": (int, float), "per_seconds": (int, float),
+_LIMIT_KEYS: dict[str, type | tuple[type, ...]] = {"max_in_flight": int, "rate": (int, float), "per_seconds": (int, float),
                "burst": int, "key_argument": str}  # fmt: skip
 
 
