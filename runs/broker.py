@@ -40,7 +40,19 @@ class OrmBroker(ORM):
 
     @staticmethod
     def get_connection(list_key: str | None = None):
-        queryset = ORM.get_connection(list_key)
+        # called when each cluster process builds its broker (the sentinel's first): a
+        # connection terminated while it opens (a failover, pg_terminate_backend) would kill
+        # the sentinel and the worker with it, the cluster never started. Retried briefly.
+        for attempt in range(1, 6):
+            try:
+                queryset = ORM.get_connection(list_key)
+                break
+            except (OperationalError, InterfaceError):
+                _close_all()
+                if attempt == 5:
+                    raise
+                log.warning("broker: the database connection failed while opening; retrying")
+                time.sleep(0.2 * attempt)
         # django-q2 calls close_old_connections() before every broker call, which makes the
         # next query run Django's health check (SELECT 1) first: three more round trips per
         # task. A connection that broke is dealt with where it breaks instead (dequeue and

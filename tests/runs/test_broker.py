@@ -93,3 +93,25 @@ def test_an_acknowledgement_on_a_lost_connection_is_made_on_a_new_one(monkeypatc
 
     assert calls == [task_id, task_id]
     assert broker.queue_size() + broker.lock_size() == 0
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_connection_terminated_while_the_broker_opens_is_retried(monkeypatch):
+    """The chaos harness's database faults once terminated the connection a restarting
+    worker's sentinel was opening: the sentinel died, and the worker with it. Building the
+    broker retries instead."""
+    real = ORM.get_connection
+    attempts = []
+
+    def get_connection(list_key=None):
+        attempts.append(list_key)
+        if len(attempts) <= 2:
+            raise OperationalError("terminating connection due to administrator command")
+        return real(list_key)
+
+    monkeypatch.setattr(ORM, "get_connection", staticmethod(get_connection))
+    monkeypatch.setattr(broker_module.time, "sleep", lambda seconds: None)
+    broker = get_broker()
+    assert isinstance(broker, OrmBroker) and len(attempts) == 3
+    broker.enqueue("a signed task")
+    assert [payload for _, payload in broker.dequeue()] == ["a signed task"]
