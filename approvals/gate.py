@@ -290,6 +290,10 @@ class ApprovalsGate:
             Approval.objects.filter(tool_call=call, status=Approval.Status.CANCELLED)
             .order_by("-id")
             .first()
+            # a call decided in this commit is not written yet (the checkpoint writes it
+            # with the commit's statement): it has no earlier approval
+            if call.pk is not None
+            else None
         )
         again: dict[str, Any] = {}
         if (

@@ -105,3 +105,25 @@ def test_a_principals_new_group_is_read_again_after_the_interval(
     assert "finance" not in policy_facts(refund_run)["groups"]
     remembered[0] += 1.0
     assert "finance" in policy_facts(refund_run)["groups"]
+
+
+# the engine's checkpoint refuses without a savepoint: a test transaction would be left broken
+@pytest.mark.django_db(transaction=True)
+def test_a_call_that_needs_approval_asks_for_it_with_nothing_read_on_the_way(
+    remembered, sandbox, system_actor
+):
+    """With the production setting, nothing is read between the decision and the request
+    of its approval, so the call is not written yet when the gate asks whether it replaces
+    an earlier approval (chaos through PgBouncer found the request failing on that)."""
+    from approvals.models import Approval
+    from runs.models import Run
+    from tests.conftest import drive
+
+    run = run_create(
+        agent_name="refund",
+        input={"order_id": "ord_1004", "amount_cents": 50_000},
+        actor=system_actor,
+    )
+    run = drive(run.id)
+    assert run.status == Run.Status.WAITING_APPROVAL
+    assert Approval.objects.filter(run=run, status="pending").count() == 1
