@@ -5,6 +5,7 @@ from __future__ import annotations
 from django.urls import path
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerSplitView
 
+from agentops.mcp import api as mcp_api
 from approvals import api as approvals_api
 from approvals import policy_api
 from runs import api as runs_api
@@ -51,6 +52,9 @@ v1 = [
     path("runs/<uuid:run_id>/finish/", remote_api.FinishApi.as_view(), name="run-finish"),
     path("runs/<uuid:run_id>/state/", history_api.StatePatchApi.as_view(), name="run-state"),
     path("runs/<uuid:run_id>/messages/", history_api.MessagesApi.as_view(), name="run-messages"),
+    # a remote agent's tools called through the MCP gateway (docs/mcp.md)
+    path("runs/<uuid:run_id>/mcp-calls/", mcp_api.McpCallsApi.as_view(), name="run-mcp-calls"),
+    path("agents/<str:name>/mcp-runs/", mcp_api.McpRunsApi.as_view(), name="agent-mcp-runs"),
     path("tool-calls/", runs_api.ToolCallListApi.as_view(), name="tool-calls"),
     # flow control (docs/agents.md "Limits")
     path("tool-limits/", limits_api.ToolLimitListApi.as_view(), name="tool-limits"),

@@ -571,6 +571,9 @@ AGENTOPS_MCP = {
     # tools/call requests one gateway process holds at once; past that a call is refused
     # before anything is recorded (gateway_busy, retry_after): each is a connection and a poll
     "MAX_HELD": env_int("AGENTOPS_MCP_MAX_HELD", 200),
+    # remote agents whose manifest tools the gateway offers (none by default): a call of one
+    # is recorded in a run of that agent and carried out by its own process (docs/mcp.md)
+    "REMOTE_AGENTS": env_list("AGENTOPS_MCP_REMOTE_AGENTS", []),
 }
 if AGENTOPS_MCP["HOLD_SECONDS"] <= 0 or AGENTOPS_MCP["HOLD_SECONDS"] > 55:
     raise ImproperlyConfigured("AGENTOPS_MCP_HOLD_SECONDS must be more than 0 and at most 55")

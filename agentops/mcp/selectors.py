@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from agentops.mcp import remote
+from agentops.mcp.gateway import AGENT_NAME
 from agentops.mcp.models import GatewayCall
 from runs.models import Run, Step, ToolCall
 
@@ -50,6 +52,8 @@ def _outcome(call: GatewayCall) -> Outcome:
     if call.run.dry_run:
         # a dry run's call (docs/mcp.md): a tool that is not read only said what it would do
         handle["dry_run"] = True
+    if call.run.agent_name != AGENT_NAME:
+        return _remote_outcome(call, handle)
     step = (
         Step.objects.filter(run_id=call.run_id, kind=Step.Kind.TOOL_CALL)
         .order_by("seq")
@@ -72,6 +76,31 @@ def _outcome(call: GatewayCall) -> Outcome:
     if tool_call is None:
         # refused before anything happened (the engine's own checks)
         return Outcome(FAILED, error=step.error or "the call was refused", handle=handle)
+    return _call_outcome(run, step, tool_call, handle)
+
+
+def _remote_outcome(call: GatewayCall, handle: dict[str, Any]) -> Outcome:
+    """A remote agent's tool: the call its process proposed under the call's client id,
+    once it did; until then the call waits for the agent's process (``pending``)."""
+    run = call.run
+    handle["agent"] = run.agent_name
+    tool_call = remote.tool_call_of(call)
+    if tool_call is None:
+        if run.status in Run.TERMINAL:
+            return Outcome(
+                FAILED,
+                error=f"the run ended ({run.status}) before its agent took the call; "
+                "call again to record it in a new run",
+                handle=handle,
+            )
+        handle["run_status"] = run.status
+        handle["waiting_for"] = "the agent's process"
+        return Outcome(PENDING, handle=handle)
+    handle["step"] = tool_call.step.seq
+    return _call_outcome(run, tool_call.step, tool_call, handle)
+
+
+def _call_outcome(run: Run, step: Step, tool_call: ToolCall, handle: dict[str, Any]) -> Outcome:
     handle.update(
         tool_call_id=str(tool_call.id),
         call_key=tool_call.idempotency_key,

@@ -11,6 +11,7 @@ from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import Max
 
+from agentops.mcp import remote
 from agentops.mcp.gateway import AGENT_NAME, SIGNAL, exposed_tools
 from agentops.mcp.models import GatewayCall, GatewaySession
 from runs.actors import DRIVE_REMOTE_RUN, Actor, PermissionDenied
@@ -79,12 +80,13 @@ def gateway_require(user: Any) -> None:
 
 
 def tools_for(user: Any) -> list[Tool]:
-    """The tools ``user`` may call through the gateway: the exposed ones whose
-    ``allowed_groups`` (if any) include one of the user's groups."""
+    """The tools ``user`` may call through the gateway: the exposed ones and the offered
+    remote agents' manifest tools (``agentops.mcp.remote``) whose ``allowed_groups`` (if any)
+    include one of the user's groups."""
     groups = set(user.groups.values_list("name", flat=True))
     return [
         tool
-        for tool in exposed_tools()
+        for tool in [*exposed_tools(), *remote.remote_tools()]
         if not tool.allowed_groups or user.is_superuser or groups & set(tool.allowed_groups)
     ]
 
@@ -121,6 +123,13 @@ def gateway_call_record(
     if errors:
         raise InvalidInput("arguments do not match the tool's schema: " + "; ".join(errors))
     arguments_digest = call_digest(tool_name, arguments)
+    # a remote agent's manifest tool: the call goes into a run of that agent, whose own
+    # process carries it out (agentops.mcp.remote); any other into a run of the gateway's
+    agent_name = remote.agent_of(tool_name) or AGENT_NAME
+    if dry_run and agent_name != AGENT_NAME:
+        raise InvalidState(
+            f"{tool_name} is a remote agent's tool: the gateway offers no dry run of it"
+        )
 
     if client_key:
         found = _by_client_key(user, client_key, tool_name, arguments_digest)
@@ -130,7 +139,7 @@ def gateway_call_record(
         if found is not None:
             _wake(token, found)
             return found
-    run = _run_for(token, run_id=run_id, session=session, dry_run=dry_run)
+    run = _run_for(token, run_id=run_id, session=session, dry_run=dry_run, agent_name=agent_name)
     if not client_key:
         found = GatewayCall.objects.filter(
             run=run, client_key="", arguments_digest=arguments_digest
@@ -167,7 +176,7 @@ def _by_client_key(
         return None
     if found.tool_name != tool_name or found.arguments_digest != arguments_digest:
         raise KeyReused("this idempotency key was already used for another tool or other arguments")
-    if found.run.status in Run.TERMINAL and not _step_exists(found):
+    if found.run.status in Run.TERMINAL and not _taken(found):
         # its run ended before taking it (the run went idle at that moment): nothing was
         # decided, let alone dispatched, so it is recorded again in a live run
         found.delete()
@@ -175,7 +184,11 @@ def _by_client_key(
     return found
 
 
-def _step_exists(call: GatewayCall) -> bool:
+def _taken(call: GatewayCall) -> bool:
+    """Whether the run took the call: the gateway agent's ``position``-th tool-call step, or
+    the engine call a remote agent's process proposed for it."""
+    if call.run.agent_name != AGENT_NAME:
+        return remote.tool_call_of(call) is not None
     return (
         Step.objects.filter(run_id=call.run_id, kind=Step.Kind.TOOL_CALL).count() >= call.position
     )
@@ -185,22 +198,32 @@ def _mode(run: Run) -> str:
     return "dry run" if run.dry_run else "real run"
 
 
-def _run_for(token: ApiToken, *, run_id: str, session: str, dry_run: bool = False) -> Run:
+def _run_for(
+    token: ApiToken,
+    *,
+    run_id: str,
+    session: str,
+    dry_run: bool = False,
+    agent_name: str = AGENT_NAME,
+) -> Run:
     """The run a call goes into: the one the client names, else the live gateway run of
     this principal and session (a session of the MCP transport, or the token when the
     protocol has none), else a new one. A dry run's calls have their own run and binding:
-    a call asked as a dry run never goes into a real run (nor the other way round)."""
+    a call asked as a dry run never goes into a real run (nor the other way round). A remote
+    agent's tool: the same, with runs of that agent (bound apart from the gateway's)."""
     user = token.principal
-    runs = Run.objects.filter(agent_name=AGENT_NAME, principal=user)
+    runs = Run.objects.filter(agent_name=agent_name, principal=user)
     if dry_run:
         session = f"{session[:190]}#dry-run"
+    if agent_name != AGENT_NAME:
+        session = f"{session[: 198 - len(agent_name)]}#{agent_name}"
     if run_id:
         try:
             run = runs.filter(id=uuid.UUID(str(run_id))).first()
         except ValueError:
             run = None
         if run is None:
-            raise RunNotFound(f"no gateway run {run_id} of {user.get_username()}")
+            raise RunNotFound(f"no gateway run {run_id} of {agent_name} of {user.get_username()}")
         if run.status in Run.TERMINAL:
             raise InvalidState(f"the run is {run.status}: start another (leave out the run id)")
         if run.dry_run != dry_run:
@@ -221,9 +244,10 @@ def _run_for(token: ApiToken, *, run_id: str, session: str, dry_run: bool = Fals
             # run and all (its wake-up is sent on commit only), and use that run
             with transaction.atomic():
                 run = run_create(
-                    agent_name=AGENT_NAME,
+                    agent_name=agent_name,
                     goal=f"MCP calls of {user.get_username()}",
-                    input={"session": session},
+                    # a remote agent's run: its input schema must accept an empty object
+                    input={"session": session} if agent_name == AGENT_NAME else {},
                     actor=gateway_actor(token),
                     principal=user,
                     max_steps=settings.AGENTOPS_MCP["MAX_STEPS"],
@@ -284,7 +308,7 @@ def _wake(token: ApiToken, call: GatewayCall) -> None:
     runnable; a busy one finds the call when it next decides. Sent again when the client
     asks again, in case the MCP process died between recording and signalling."""
     run = Run.objects.filter(id=call.run_id).only("status").first()
-    if run is None or run.status in Run.TERMINAL or _step_exists(call):
+    if run is None or run.status in Run.TERMINAL or _taken(call):
         return
     run_signal(
         run_id=call.run_id,

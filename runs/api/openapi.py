@@ -132,6 +132,11 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {
         },
         # the conversation history a successor rebuilds its framework's messages from
         "ReadMessages": link("v1_runs_messages_retrieve", run_id="$response.body#/run"),
+        # the calls MCP clients made of the agent's tools (docs/mcp.md)
+        "ReadMcpCalls": link("v1_runs_mcp_calls_list", run_id="$response.body#/run"),
+    },
+    ("/api/v1/agents/{name}/mcp-runs/", "get", "200"): {
+        "LeaseRun": link("v1_runs_lease_create", run_id="$response.body#/0/id"),
     },
     ("/api/v1/runs/{run_id}/tool-calls/", "post", "201"): PROPOSED,
     # a retried propose gets the same call: it is dispatched the same way
@@ -196,6 +201,7 @@ LINKS: dict[tuple[str, str, str], dict[str, dict[str, Any]]] = {
     },
     ("/api/v1/agents/", "get", "200"): {
         "GetAgent": link("v1_agents_retrieve", name="$response.body#/0/name"),
+        "ListMcpRuns": link("v1_agents_mcp_runs_list", name="$response.body#/0/name"),
     },
     # a remote agent's manifest is registered again under the name it has
     ("/api/v1/agents/{name}/", "get", "200"): {

@@ -70,6 +70,8 @@ ENDPOINTS = {
     ("/api/v1/tool-calls/{tool_call_id}/send-check/", "post"),
     ("/api/v1/tool-calls/{tool_call_id}/lookups/", "post"),
     ("/api/v1/tool-calls/{tool_call_id}/receipt/", "post"),
+    ("/api/v1/runs/{run_id}/mcp-calls/", "get"),
+    ("/api/v1/agents/{name}/mcp-runs/", "get"),
 }
 
 

@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from contextlib import suppress
@@ -16,14 +12,14 @@ from typing import Any
 
 import anyio
 import pytest
-from django.conf import settings
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
 from mcp.shared._httpx_utils import create_mcp_http_client
 
+from agentops.workerprocs import WorkerProcess
 from runs.actors import Actor
 from runs.tokens import api_token_create
-from tests.runs.workerprocs import MANAGE, worker_env
+from tests.runs.workerprocs import worker_env
 
 # short holds: a gated call answers "awaiting approval" after this long
 HOLD_SECONDS = "3"
@@ -35,38 +31,27 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-class McpProcess:
-    """``manage.py runmcp`` in its own process group, against the test database."""
+class McpProcess(WorkerProcess):
+    """``manage.py runmcp`` in its own process group, against the test database
+    (``agentops.workerprocs``, as for workers)."""
 
     def __init__(self, log_path: Path, env: dict[str, str]) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/mcp/"
-        self.log_path = log_path
-        with open(log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, MANAGE, "runmcp", "--port", str(self.port)],
-                cwd=settings.BASE_DIR,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        super().__init__("runmcp", env, log_path, command=["runmcp", "--port", str(self.port)])
         self._wait_listening()
 
     def _wait_listening(self, timeout: float = 30) -> None:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
-            assert self.process.poll() is None, self.log_path.read_text()
+            assert self.alive, self.output()
             with suppress(OSError), socket.create_connection(("127.0.0.1", self.port), 0.2):
                 return
             time.sleep(0.05)
-        raise AssertionError(f"runmcp did not listen:\n{self.log_path.read_text()}")
+        raise AssertionError(f"runmcp did not listen:\n{self.output()}")
 
     def kill(self) -> None:
-        with suppress(ProcessLookupError):
-            os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait()
+        self.kill_group()
 
 
 @pytest.fixture
@@ -77,7 +62,7 @@ def mcp_server(tmp_path, sandbox):
     class Starter:
         def start(self, **env_overrides: str) -> McpProcess:
             env = worker_env(sandbox, AGENTOPS_MCP_HOLD_SECONDS=HOLD_SECONDS, **env_overrides)
-            process = McpProcess(tmp_path / "runmcp.log", env)
+            process = McpProcess(tmp_path / f"runmcp.{len(started)}.log", env)
             started.append(process)
             return process
 
@@ -196,3 +181,22 @@ def run_client(url: str, token: str | None, script: Any) -> Any:
             return await script(client)
 
     return anyio.run(main)
+
+
+def call(url: str, token: str, name: str, arguments: dict, key: str | None = None) -> Any:
+    meta = {"agentops/idempotency_key": key} if key else None
+
+    async def script(client):
+        return await client.call_tool(name, arguments, meta=meta)
+
+    return run_client(url, token, script)
+
+
+def call_until_final(url: str, token: str, name: str, arguments: dict, key: str, timeout=40):
+    """What a client does with a "pending" answer: the same call again, same key."""
+    end = time.monotonic() + timeout
+    while True:
+        result = call(url, token, name, arguments, key)
+        if result.structured_content["status"] in ("succeeded", "failed"):
+            return result
+        assert time.monotonic() < end, result.structured_content

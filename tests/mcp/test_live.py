@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from typing import Any
 
 import httpx
@@ -18,7 +17,7 @@ from agentops.mcp.gateway import AGENT_NAME
 from agentops.mcp.models import GatewayCall
 from approvals.models import Approval
 from runs.models import Run, ToolCall, ToolReceipt
-from tests.mcp.conftest import NOTE_SCHEMA, run_client, token_of
+from tests.mcp.conftest import NOTE_SCHEMA, call, call_until_final, run_client, token_of
 from tests.runs.workerprocs import worker_env
 from tests.support import event_types, refund_posts, refunds
 
@@ -26,25 +25,6 @@ pytestmark = [pytest.mark.django_db(transaction=True), pytest.mark.slow]
 
 LARGE = {"order_id": "ord_1004", "amount_cents": 20_000}  # above the approval threshold
 SMALL = {"order_id": "ord_1002", "amount_cents": 700}
-
-
-def call(url: str, token: str, name: str, arguments: dict, key: str | None = None) -> Any:
-    meta = {"agentops/idempotency_key": key} if key else None
-
-    async def script(client):
-        return await client.call_tool(name, arguments, meta=meta)
-
-    return run_client(url, token, script)
-
-
-def call_until_final(url: str, token: str, name: str, arguments: dict, key: str, timeout=40):
-    """What a client does with a "pending" answer: the same call again, same key."""
-    end = time.monotonic() + timeout
-    while True:
-        result = call(url, token, name, arguments, key)
-        if result.structured_content["status"] in ("succeeded", "failed"):
-            return result
-        assert time.monotonic() < end, result.structured_content
 
 
 def test_list_read_gated_approve_and_call_again(
