@@ -12,7 +12,7 @@ from rest_framework.views import APIView
 from approvals.models import Approval, ApprovalDecision
 from approvals.services import approval_decide
 from runs.api import MaskedSerializerMixin, _reject_null_characters, longpoll
-from runs.api_common import (
+from runs.api.common import (
     ApiError,
     IdCursorPagination,
     QueryParamsSerializer,

@@ -10,7 +10,7 @@ from rest_framework.views import APIView
 
 from runs import remote
 from runs.api import AgentSerializer, agent_data
-from runs.api_common import ApiError, actor_for, errors
+from runs.api.common import ApiError, actor_for, errors
 from runs.models import AgentManifest
 from runs.registry import OnExpiry, UnknownAgent, registry
 

@@ -13,8 +13,8 @@ from rest_framework.reverse import reverse
 from rest_framework.views import APIView
 
 from runs import remote
+from runs.api.common import QueryParamsSerializer, actor_for, errors
 from runs.api.remote.common import MAX_SEQ, FenceSerializer, json_value, lease_proof, request_data
-from runs.api_common import QueryParamsSerializer, actor_for, errors
 
 # --- POST /runs/{id}/state/ ---------------------------------------------------------------------
 

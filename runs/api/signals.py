@@ -8,8 +8,8 @@ from rest_framework import serializers, status
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
+from runs.api.common import ApiError, actor_for, errors
 from runs.api.remote.common import json_value, request_data
-from runs.api_common import ApiError, actor_for, errors
 from runs.models import Run, Signal
 from runs.waits import run_signal
 

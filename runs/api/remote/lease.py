@@ -8,9 +8,9 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from runs import remote
+from runs.api.common import actor_for, errors
 from runs.api.remote.common import DRY_RUN_HELP, FenceSerializer, lease_proof, request_data
 from runs.api.remote.resume import ResumeSerializer
-from runs.api_common import actor_for, errors
 
 
 class LeaseInputSerializer(serializers.Serializer):

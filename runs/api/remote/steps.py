@@ -12,6 +12,7 @@ from rest_framework.views import APIView
 
 from runs import remote, selectors
 from runs.api import RunSerializer
+from runs.api.common import actor_for, errors
 from runs.api.remote.common import (
     MAX_SEQ,
     SEQ_HELP,
@@ -21,7 +22,6 @@ from runs.api.remote.common import (
     recorded_response,
     request_data,
 )
-from runs.api_common import actor_for, errors
 from runs.models import Step
 
 

@@ -10,6 +10,7 @@ from rest_framework.views import APIView
 
 from runs import remote, selectors
 from runs.api import ToolCallSerializer
+from runs.api.common import actor_for, errors
 from runs.api.remote.common import (
     DRY_RUN_HELP,
     MAX_SEQ,
@@ -19,7 +20,6 @@ from runs.api.remote.common import (
     recorded_response,
     request_data,
 )
-from runs.api_common import actor_for, errors
 from runs.models import Run
 
 

@@ -11,6 +11,7 @@ from rest_framework import serializers
 from rest_framework.views import APIView
 
 from runs import remote
+from runs.api.common import actor_for, errors
 from runs.api.remote.common import (
     MAX_SEQ,
     SEQ_HELP,
@@ -21,7 +22,6 @@ from runs.api.remote.common import (
     request_data,
 )
 from runs.api.signals import SIGNAL_NAME_PATTERN
-from runs.api_common import actor_for, errors
 from runs.registry import AskQuestion, Sleep, WaitForSignal
 from runs.waits import ANSWER_MAX
 
