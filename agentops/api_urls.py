@@ -9,16 +9,21 @@ from agentops.mcp import api as mcp_api
 from approvals import api as approvals_api
 from approvals import policy_api
 from runs import api as runs_api
+from runs.api import agents as agents_api
 from runs.api import history as history_api
 from runs.api import limits as limits_api
 from runs.api import questions as questions_api
-from runs.api import remote as remote_api
+from runs.api import signals as signals_api
 from runs.api import spend as spend_api
+from runs.api.remote import lease as lease_api
+from runs.api.remote import steps as steps_api
+from runs.api.remote import toolcalls as toolcalls_api
+from runs.api.remote import waits as waits_api
 
 v1 = [
     path("health/", runs_api.HealthApi.as_view(), name="health"),
     path("agents/", runs_api.AgentListApi.as_view(), name="agents"),
-    path("agents/<str:name>/", remote_api.AgentDetailApi.as_view(), name="agent"),
+    path("agents/<str:name>/", agents_api.AgentDetailApi.as_view(), name="agent"),
     path("runs/", runs_api.RunCollectionApi.as_view(), name="runs"),
     path("runs/<uuid:run_id>/", runs_api.RunDetailApi.as_view(), name="run"),
     path("runs/<uuid:run_id>/events/", runs_api.RunEventListApi.as_view(), name="run-events"),
@@ -33,23 +38,25 @@ v1 = [
         runs_api.RunRetryRecoveryApi.as_view(),
         name="run-retry-recovery",
     ),
-    path("runs/<uuid:run_id>/signals/", remote_api.SignalApi.as_view(), name="run-signals"),
+    path("runs/<uuid:run_id>/signals/", signals_api.SignalApi.as_view(), name="run-signals"),
     # the remote-agent protocol (docs/remote-agents.md)
-    path("runs/<uuid:run_id>/lease/", remote_api.LeaseApi.as_view(), name="run-lease"),
+    path("runs/<uuid:run_id>/lease/", lease_api.LeaseApi.as_view(), name="run-lease"),
     path(
         "runs/<uuid:run_id>/lease/heartbeat/",
-        remote_api.LeaseHeartbeatApi.as_view(),
+        lease_api.LeaseHeartbeatApi.as_view(),
         name="run-lease-heartbeat",
     ),
     path(
         "runs/<uuid:run_id>/lease/release/",
-        remote_api.LeaseReleaseApi.as_view(),
+        lease_api.LeaseReleaseApi.as_view(),
         name="run-lease-release",
     ),
-    path("runs/<uuid:run_id>/steps/", remote_api.StepApi.as_view(), name="run-steps"),
-    path("runs/<uuid:run_id>/tool-calls/", remote_api.ProposeApi.as_view(), name="run-tool-calls"),
-    path("runs/<uuid:run_id>/waits/", remote_api.WaitApi.as_view(), name="run-waits"),
-    path("runs/<uuid:run_id>/finish/", remote_api.FinishApi.as_view(), name="run-finish"),
+    path("runs/<uuid:run_id>/steps/", steps_api.StepApi.as_view(), name="run-steps"),
+    path(
+        "runs/<uuid:run_id>/tool-calls/", toolcalls_api.ProposeApi.as_view(), name="run-tool-calls"
+    ),
+    path("runs/<uuid:run_id>/waits/", waits_api.WaitApi.as_view(), name="run-waits"),
+    path("runs/<uuid:run_id>/finish/", steps_api.FinishApi.as_view(), name="run-finish"),
     path("runs/<uuid:run_id>/state/", history_api.StatePatchApi.as_view(), name="run-state"),
     path("runs/<uuid:run_id>/messages/", history_api.MessagesApi.as_view(), name="run-messages"),
     # a remote agent's tools called through the MCP gateway (docs/mcp.md)
@@ -75,22 +82,22 @@ v1 = [
     ),
     path(
         "tool-calls/<int:tool_call_id>/dispatch/",
-        remote_api.DispatchApi.as_view(),
+        toolcalls_api.DispatchApi.as_view(),
         name="tool-call-dispatch",
     ),
     path(
         "tool-calls/<int:tool_call_id>/send-check/",
-        remote_api.SendCheckApi.as_view(),
+        toolcalls_api.SendCheckApi.as_view(),
         name="tool-call-send-check",
     ),
     path(
         "tool-calls/<int:tool_call_id>/lookups/",
-        remote_api.LookupApi.as_view(),
+        toolcalls_api.LookupApi.as_view(),
         name="tool-call-lookups",
     ),
     path(
         "tool-calls/<int:tool_call_id>/receipt/",
-        remote_api.ReceiptApi.as_view(),
+        toolcalls_api.ReceiptApi.as_view(),
         name="tool-call-receipt",
     ),
     path(

@@ -323,7 +323,7 @@ REST_FRAMEWORK = {
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
     "TEST_REQUEST_DEFAULT_FORMAT": "json",
     # every error is {"code", "detail"} (+ "fields" for validation_error)
-    "EXCEPTION_HANDLER": "runs.api_common.exception_handler",
+    "EXCEPTION_HANDLER": "runs.api.common.exception_handler",
     # Authenticated requests, per user, after the permission check (DRF's order). Requests
     # with no credentials or bad ones are counted per address before that, at authentication
     # (runs.throttling): DRF would refuse them with 401/403 before any throttle ran.

@@ -7,7 +7,7 @@ from django.views import defaults
 
 from agentops import api_urls
 from runs import health
-from runs.api_common import json_404, json_500
+from runs.api.common import json_404, json_500
 
 urlpatterns = [
     # probes and the Prometheus endpoint (runs/health.py, docs/operations.md)

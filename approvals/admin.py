@@ -57,7 +57,7 @@ class DecisionInline(admin.TabularInline):
     model = ApprovalDecision
     extra = 0
     can_delete = False
-    fields = [
+    readonly_fields = (
         "decider",
         "decision",
         "channel",
@@ -65,8 +65,8 @@ class DecisionInline(admin.TabularInline):
         "original_arguments_shown",
         "edited_arguments_shown",
         "created_at",
-    ]
-    readonly_fields = fields
+    )
+    fields = readonly_fields
 
     def has_add_permission(self, request, obj=None):
         return False
@@ -253,7 +253,7 @@ class PolicyVersionInline(admin.TabularInline):
     model = ApprovalPolicyVersion
     extra = 0
     can_delete = False
-    fields = [
+    readonly_fields = (
         "number",
         "status",
         "note",
@@ -261,8 +261,8 @@ class PolicyVersionInline(admin.TabularInline):
         "created_at",
         "published_by",
         "published_at",
-    ]
-    readonly_fields = fields
+    )
+    fields = readonly_fields
     ordering = ["-number"]
     show_change_link = True
 

@@ -12,7 +12,7 @@ from rest_framework.views import APIView
 from approvals.models import Approval, ApprovalDecision
 from approvals.services import approval_decide
 from runs.api import MaskedSerializerMixin, _reject_null_characters, longpoll
-from runs.api_common import (
+from runs.api.common import (
     ApiError,
     IdCursorPagination,
     QueryParamsSerializer,
@@ -154,6 +154,7 @@ class ApprovalListApi(generics.GenericAPIView):
         if filters.validated_data.get("run"):
             approvals = approvals.filter(run_id=filters.validated_data["run"])
         page = self.paginate_queryset(approvals)
+        assert page is not None  # pagination_class is set: every answer is a page
         # the page's runs masked in one go (runs.masking)
         masks = maskers_for_ids({approval.run_id for approval in page}, user=request.user)
         context = {"request": request, "masks": masks}

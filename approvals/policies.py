@@ -233,6 +233,7 @@ def evaluate(
         decision = rule.get("decide", "allow")
         when = (rule.get("when") or "").strip()
         error = ""
+        matched: bool | None
         if not when:
             matched = True
         else:
@@ -290,7 +291,7 @@ def describe_error(exc: Exception) -> str:
 
 
 def _sample(schema: Any) -> Any:
-    kind = schema.get("type") if isinstance(schema, dict) else None
+    kind: Any = schema.get("type") if isinstance(schema, dict) else None
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), None)
     if "enum" in (schema or {}) and schema["enum"]:

@@ -24,7 +24,7 @@ from approvals.policy_services import (
 )
 from runs.actors import PermissionDenied
 from runs.api import _reject_null_characters
-from runs.api_common import ApiError, actor_for, errors
+from runs.api.common import ApiError, actor_for, errors
 
 VIEW = "approvals.view_approvalpolicy"
 

@@ -46,6 +46,8 @@ class PolicyInvalid(InvalidInput):
     """The version's rules do not validate; nothing was written. ``fields``: messages by
     field (``rule 2``, ``time_zone``, ``note``): the API's ``validation_error`` fields."""
 
+    fields: dict[str, list[str]]  # always given (DomainError's may be None)
+
     def __init__(self, fields: dict[str, list[str]]) -> None:
         summary = "; ".join(f"{where}: {' '.join(msgs)}" for where, msgs in fields.items())
         super().__init__(f"the policy is not valid: {summary}")

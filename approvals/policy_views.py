@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import json
+from dataclasses import dataclass
 from typing import Any
 from zoneinfo import available_timezones
 
@@ -37,8 +38,10 @@ from approvals.policy_services import (
     policy_withdraw,
 )
 from runs.actors import Actor, PermissionDenied
+from runs.forms import choice_field
 from runs.registry import Effect, registry
 from runs.services import InvalidInput
+from runs.views import HtmxHttpRequest
 
 VIEW = "approvals.view_approvalpolicy"
 
@@ -50,10 +53,19 @@ def _can_manage(request: HttpRequest) -> bool:
 # --- the list ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PolicyRow:
+    """A policy on the list, with its version in force and how many drafts wait."""
+
+    policy: ApprovalPolicy
+    current: ApprovalPolicyVersion | None
+    drafts: int
+
+
 @login_required
 @permission_required(VIEW, raise_exception=True)
 def policy_list(request: HttpRequest) -> HttpResponse:
-    policies_by_tool: dict[str, list[ApprovalPolicy]] = {}
+    policies_by_tool: dict[str, list[PolicyRow]] = {}
     current = {
         v.policy_id: v
         for v in ApprovalPolicyVersion.objects.filter(
@@ -66,9 +78,10 @@ def policy_list(request: HttpRequest) -> HttpResponse:
     ).values_list("policy_id", flat=True):
         drafts[policy_id] = drafts.get(policy_id, 0) + 1
     for policy in ApprovalPolicy.objects.all():
-        policy.current = current.get(policy.id)
-        policy.drafts = drafts.get(policy.id, 0)
-        policies_by_tool.setdefault(policy.tool_name, []).append(policy)
+        row = PolicyRow(
+            policy=policy, current=current.get(policy.id), drafts=drafts.get(policy.id, 0)
+        )
+        policies_by_tool.setdefault(policy.tool_name, []).append(row)
     tools = []
     for tool in registry.tools():
         if tool.effect == Effect.READ and tool.name not in policies_by_tool:
@@ -110,8 +123,6 @@ def policy_detail(request: HttpRequest, policy_id: int) -> HttpResponse:
         policy.versions.select_related("created_by", "published_by").order_by("-number")
     )
     current = next((v for v in versions if v.status == "published"), None)
-    for version in versions:
-        version.rule_rows = _rule_rows(version.rules)
     return render(
         request,
         "approvals/policy.html",
@@ -119,6 +130,7 @@ def policy_detail(request: HttpRequest, policy_id: int) -> HttpResponse:
             "policy": policy,
             "versions": versions,
             "current": current,
+            "current_rule_rows": _rule_rows(current.rules) if current is not None else [],
             "withdrawal_pending": any(v.withdraws and v.status == "draft" for v in versions),
             "can_manage": _can_manage(request),
         },
@@ -142,7 +154,9 @@ def policy_withdraw_view(request: HttpRequest, policy_id: int) -> HttpResponse:
     form = WithdrawForm(request.POST)
     if not form.is_valid():
         messages.error(
-            request, "Nothing was withdrawn: " + " ".join(form.errors.get("note", ["say why"]))
+            request,
+            "Nothing was withdrawn: "
+            + " ".join(str(m) for m in form.errors.get("note", ["say why"])),
         )
         return redirect("approvals:policy", policy_id=policy.id)
     try:
@@ -267,7 +281,7 @@ def version_detail(request: HttpRequest, version_id: int) -> HttpResponse:
 
 @login_required
 @require_POST
-def version_simulate(request: HttpRequest, version_id: int) -> HttpResponse:
+def version_simulate(request: HtmxHttpRequest, version_id: int) -> HttpResponse:
     version = get_object_or_404(
         ApprovalPolicyVersion.objects.select_related("policy"), id=version_id
     )
@@ -285,7 +299,7 @@ def version_simulate(request: HttpRequest, version_id: int) -> HttpResponse:
         return HttpResponse(str(exc), status=403)
     except InvalidInput as exc:
         error = str(exc)
-    context = {
+    context: dict[str, Any] = {
         "version": version,
         "policy": version.policy,
         "simulation": simulation,
@@ -419,8 +433,8 @@ class RuleForm(forms.Form):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         groups = _group_choices()
-        self.fields["group"].choices = groups
-        self.fields["escalate_to"].choices = [("", "—"), *groups]
+        choice_field(self, "group").choices = groups
+        choice_field(self, "escalate_to").choices = [("", "—"), *groups]
 
     def clean_from_groups(self) -> dict[str, int]:
         """ "finance=1, legal=1" -> {"finance": 1, "legal": 1} (the policy validates the
@@ -499,12 +513,12 @@ class DraftForm(forms.Form):
 
     def __init__(self, *args: Any, fixed_scope: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.fields["tool"].choices = [(t.name, t.name) for t in registry.tools()]
-        self.fields["agent_name"].choices = [("", "every agent")] + [
+        choice_field(self, "tool").choices = [(t.name, t.name) for t in registry.tools()]
+        choice_field(self, "agent_name").choices = [("", "every agent")] + [
             (a.name, a.name) for a in registry.agents()
         ]
-        self.fields["principal_group"].choices = [("", "every principal"), *_group_choices()]
-        self.fields["time_zone"].choices = [("UTC", "UTC")] + [
+        choice_field(self, "principal_group").choices = [("", "every principal"), *_group_choices()]
+        choice_field(self, "time_zone").choices = [("UTC", "UTC")] + [
             (z, z) for z in sorted(available_timezones()) if z != "UTC" and "/" in z
         ]
         if fixed_scope:
@@ -516,7 +530,9 @@ def _unchecked(form: forms.Form, formset: Any) -> None:
     """Show what was typed without judging it yet (the "Add a rule" round trip)."""
     from django.forms.utils import ErrorDict, ErrorList
 
-    form._errors = ErrorDict()
+    # Django's cache of a bound form's errors (not in django-stubs): empty, the form renders
+    # what was typed without validating it
+    form._errors = ErrorDict()  # type: ignore[attr-defined]
     for item in formset.forms:
         item._errors = ErrorDict()
     formset._errors = [ErrorDict() for _ in formset.forms]
@@ -545,12 +561,14 @@ def policy_draft(request: HttpRequest) -> HttpResponse:
     policy = None
     start = None
     source = request.GET if request.method == "GET" else request.POST
-    if source.get("policy"):
-        policy = get_object_or_404(ApprovalPolicy, id=source.get("policy"))
+    policy_id = source.get("policy")
+    if policy_id:
+        policy = get_object_or_404(ApprovalPolicy, id=policy_id)
         versions = policy.versions.all()
+        start_id = source.get("from")
         start = (
-            versions.filter(id=source.get("from")).first()
-            if source.get("from")
+            versions.filter(id=start_id).first()
+            if start_id
             else versions.filter(status="published").first() or versions.order_by("-number").first()
         )
         if start is not None and start.withdraws:

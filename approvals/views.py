@@ -8,6 +8,7 @@ buttons: mail scanners and link previews open links, and must decide nothing.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from django import forms
@@ -33,8 +34,9 @@ from approvals.services import (
 )
 from runs import jsonlimits
 from runs.actors import Actor, PermissionDenied
-from runs.forms import UnclippedCharField
+from runs.forms import UnclippedCharField, choice_field
 from runs.masking import masker_for, maskers_for
+from runs.models import Step
 from runs.registry import argument_rows, call_summary
 from runs.services import InvalidInput
 from runs.views.links import LinkFormError, LinkPage, after_sign_in_view, client_of, link_view
@@ -45,6 +47,29 @@ COMMENT_MAX = 2000
 
 class HtmxHttpRequest(HttpRequest):
     htmx: HtmxDetails
+
+
+@dataclass(frozen=True)
+class PendingRow:
+    """An inbox row: the approval as this viewer sees it."""
+
+    approval: Approval
+    # the arguments with sensitive tool output masked for this viewer (runs.masking)
+    shown_arguments: Any
+    quorum_text: str
+    # this viewer may decide it: buttons and a box for the bulk actions
+    mine: bool
+    seconds_left: int
+
+
+@dataclass(frozen=True)
+class StepShown:
+    """A step of the run's context on the detail page: a tool call as its summary and an
+    argument table (masked for the viewer), ``call_rows`` None for any other step."""
+
+    step: Step
+    call_summary: str = ""
+    call_rows: list[tuple[str, str]] | None = None
 
 
 # --- inbox ---------------------------------------------------------------------------------
@@ -60,18 +85,23 @@ def approval_inbox(request: HtmxHttpRequest) -> HttpResponse:
     # each row as this viewer may see it: sensitive tool output copied into the arguments
     # masked (runs.masking; one query for every run on the page)
     masks = maskers_for([a.run for a in inbox.pending], user=request.user)
-    for approval in inbox.pending:
-        approval.shown_arguments = masks[approval.run_id](approval.arguments_masked)
-        approval.quorum_text = _quorum_text(approval)
     # the rows this approver may decide get buttons (and a box for the bulk actions)
     mine = {a.id for a in selectors.decidable(user=request.user, approvals=inbox.pending)}
-    for approval in inbox.pending:
-        approval.mine = approval.id in mine
+    pending = [
+        PendingRow(
+            approval=approval,
+            shown_arguments=masks[approval.run_id](approval.arguments_masked),
+            quorum_text=_quorum_text(approval),
+            mine=approval.id in mine,
+            seconds_left=max(0, int((approval.expires_at - now).total_seconds())),
+        )
+        for approval in inbox.pending
+    ]
     context = {
         "inbox": inbox,
         "decidable": len(mine),
         "bulk_limit": BULK_LIMIT,
-        "pending": [(a, max(0, int((a.expires_at - now).total_seconds()))) for a in inbox.pending],
+        "pending": pending,
         "agent": agent,
         "tool": tool,
     }
@@ -96,7 +126,7 @@ class BulkForm(forms.Form):
         # any id is a valid choice here: one that is not pending, or not the approver's, is
         # listed as refused with the reason, not a form error
         ids = self.data.getlist("approval") if hasattr(self.data, "getlist") else []
-        self.fields["approval"].choices = [(i, i) for i in ids[:BULK_LIMIT]]
+        choice_field(self, "approval").choices = [(i, i) for i in ids[:BULK_LIMIT]]
 
     def clean_approval(self) -> list[int]:
         ids = self.cleaned_data["approval"]
@@ -105,7 +135,8 @@ class BulkForm(forms.Form):
         return list(dict.fromkeys(ids))
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        super().clean()
+        data = self.cleaned_data
         if (
             data.get("confirm")
             and data.get("decision") == "reject"
@@ -161,10 +192,10 @@ def approval_bulk(request: HtmxHttpRequest) -> HttpResponse:
         why_not = ""
         if not data["confirm"] and approval.id not in mine:
             why_not = selectors.why_not_decide(user=request.user, approval=approval)
-        approval.quorum_text = _quorum_text(approval)
         items.append(
             {
                 "approval": approval,
+                "quorum_text": _quorum_text(approval),
                 "shown_arguments": shown,
                 "why_not": why_not,
                 "result": results.get(approval.id),
@@ -199,7 +230,8 @@ class DecisionForm(forms.Form):
     arguments = forms.CharField(required=False, widget=forms.Textarea)
 
     def clean(self) -> dict[str, Any]:
-        data = super().clean()
+        super().clean()
+        data = self.cleaned_data
         action = data.get("action")
         if action == "reject" and not data.get("comment", "").strip():
             self.add_error("comment", "Give a reason: the agent receives it.")
@@ -246,15 +278,18 @@ def _detail(
     mask = masker_for(approval.run, user=request.user)
     why_not = selectors.why_not_decide(user=request.user, approval=approval)
     # the run's context: each tool call step as its summary and an argument table, not a dict
+    steps = []
     for step in ctx.steps:
-        step.call_rows = None
         arguments = step.input.get("arguments") if isinstance(step.input, dict) else None
         if step.kind == "tool_call" and isinstance(arguments, dict):
             shown = mask(arguments)
-            step.call_summary = call_summary(step.input.get("tool", ""), shown)
-            step.call_rows = argument_rows(step.input.get("tool", ""), shown)
+            tool = step.input.get("tool", "")
+            steps.append(StepShown(step, call_summary(tool, shown), argument_rows(tool, shown)))
+        else:
+            steps.append(StepShown(step))
     context = {
         "ctx": ctx,
+        "steps": steps,
         "approval": approval,
         "run": approval.run,
         "call": ctx.call,

@@ -1,6 +1,7 @@
-"""The API's parser and ``OPTIONS`` metadata (settings: ``REST_FRAMEWORK``). Kept apart from
-``runs.api_common``, which imports DRF's views: DRF reads these settings while defining
-``APIView``, so this module must not need ``rest_framework.views``."""
+"""The API's parser and ``OPTIONS`` metadata (settings: ``REST_FRAMEWORK``). Kept outside
+the ``runs.api`` package, whose ``__init__`` imports DRF's views: DRF reads these settings
+while defining ``APIView``, so this module must not need ``rest_framework.views`` — nor
+anything that imports it (importing ``runs.api.parsers`` would run ``runs.api`` first)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from runs import jsonlimits
 
 class JsonInputRefused(exceptions.APIException):
     """A body that breaks the JSON rule: 400 with its code (``json_too_deep``,
-    ``json_too_large``, ``nul_byte``), mapped by ``runs.api_common``."""
+    ``json_too_large``, ``nul_byte``), mapped by ``runs.api.common``."""
 
     status_code = 400
 

@@ -1,5 +1,5 @@
 """The domain's errors, under one base: each class says its machine-readable ``code`` and
-its HTTP ``status`` once, and the API's error mapping (``runs.api_common``) reads them — a
+its HTTP ``status`` once, and the API's error mapping (``runs.api.common``) reads them — a
 new error needs no line anywhere else. docs/api.md's table lists every code
 (``tests/test_catalogues.py`` checks it).
 

@@ -16,3 +16,11 @@ class UnclippedCharField(forms.CharField):
         attrs = super().widget_attrs(widget)
         attrs.pop("maxlength", None)
         return attrs
+
+
+def choice_field(form: forms.BaseForm, name: str) -> forms.ChoiceField:
+    """The form's field ``name``, which is a choice field: for setting its choices when the
+    form is made (``form.fields`` holds them as plain ``Field``s)."""
+    field = form.fields[name]
+    assert isinstance(field, forms.ChoiceField), f"{name} is not a choice field"
+    return field

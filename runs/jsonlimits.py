@@ -1,7 +1,7 @@
 """One rule for JSON that comes in (issue 18): how deep, how large, how long a string, and no
 NUL characters — the same on SQLite and PostgreSQL (which cannot store U+0000 in jsonb).
 
-Every entrance uses it: the API's parser (``runs.api_common.LimitedJSONParser``), the
+Every entrance uses it: the API's parser (``runs.api_parsers.LimitedJSONParser``), the
 console's and the approval pages' JSON fields, the management commands, and — with
 ``sanitize`` instead of refusing — what a tool or a lookup returns, because that answer
 records a real effect that must not be lost over a bad value.

@@ -77,8 +77,8 @@ def _documented_codes() -> dict[str, int]:
 def test_every_error_code_is_documented_with_its_status():
     import agentops.mcp.services  # noqa: F401  (its errors register their codes)
     import approvals.services  # noqa: F401
+    import runs.api.common  # noqa: F401  (the API's own codes)
     import runs.api.longpoll  # noqa: F401
-    import runs.api_common  # noqa: F401  (the API's own codes)
     import runs.remote.toolcalls  # noqa: F401
     from runs.errors import CODES
 

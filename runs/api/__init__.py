@@ -3,7 +3,7 @@
 """The runs API (``/api/v1/``): one view per use case, input and output serializers.
 
 Views parse, call the same services the pages and the admin call, and serialize. Services
-check permissions and raise domain errors; ``runs.api_common.exception_handler`` turns each
+check permissions and raise domain errors; ``runs.api.common.exception_handler`` turns each
 into ``{"code", "detail"}`` with its status.
 """
 
@@ -26,7 +26,7 @@ from rest_framework.views import APIView
 
 from runs import selectors, services
 from runs.api import longpoll
-from runs.api_common import (
+from runs.api.common import (
     IDEMPOTENCY_KEY_HEADER,
     ApiError,
     CanReadRuns,

@@ -13,8 +13,8 @@ from rest_framework.reverse import reverse
 from rest_framework.views import APIView
 
 from runs import remote
-from runs.api.remote import MAX_SEQ, FenceSerializer, _input, _json_value, _lease
-from runs.api_common import QueryParamsSerializer, actor_for, errors
+from runs.api.common import QueryParamsSerializer, actor_for, errors
+from runs.api.remote.common import MAX_SEQ, FenceSerializer, json_value, lease_proof, request_data
 
 # --- POST /runs/{id}/state/ ---------------------------------------------------------------------
 
@@ -73,7 +73,7 @@ class StatePatchInputSerializer(FenceSerializer):
     )
 
     def validate_patch(self, value):
-        return _json_value([dict(operation) for operation in value])
+        return json_value([dict(operation) for operation in value])
 
 
 class StatePatchedSerializer(serializers.Serializer):
@@ -105,10 +105,10 @@ class StatePatchApi(APIView):
         },
     )
     def post(self, request, run_id):
-        data = _input(StatePatchInputSerializer, request)
+        data = request_data(StatePatchInputSerializer, request)
         patched = remote.remote_state_patch(
             run_id=run_id,
-            **_lease(data),
+            **lease_proof(data),
             actor=actor_for(request),
             # the serializer checked the shape; jsonpatch checks the meaning of each op
             patch=data["patch"],
@@ -143,7 +143,7 @@ class MessagesAppendInputSerializer(FenceSerializer):
     )
 
     def validate_messages(self, value):
-        return _json_value(value)
+        return json_value(value)
 
 
 class MessagesAppendedSerializer(serializers.Serializer):
@@ -236,10 +236,10 @@ class MessagesApi(APIView):
         },
     )
     def post(self, request, run_id):
-        data = _input(MessagesAppendInputSerializer, request)
+        data = request_data(MessagesAppendInputSerializer, request)
         appended = remote.remote_messages_append(
             run_id=run_id,
-            **_lease(data),
+            **lease_proof(data),
             actor=actor_for(request),
             messages=data["messages"],
             after_seq=data["after_seq"],

@@ -12,7 +12,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from runs import flow
-from runs.api_common import ApiError, actor_for, errors, has_perm
+from runs.api.common import ApiError, actor_for, errors, has_perm
 
 
 # JSON types as the schema says them: "2" is not a number here, 0 is not a reason (a limit

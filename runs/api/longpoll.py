@@ -27,7 +27,7 @@ from typing import Any
 from django.conf import settings
 from rest_framework import serializers
 
-from runs.api_common import QueryParamsSerializer
+from runs.api.common import QueryParamsSerializer
 from runs.errors import DomainError
 
 WAIT_MAX_SECONDS = 30

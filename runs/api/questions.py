@@ -9,7 +9,7 @@ from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.views import APIView
 
-from runs.api_common import actor_for, errors
+from runs.api.common import actor_for, errors
 from runs.models import Question
 from runs.waits import ANSWER_MAX, question_answer
 

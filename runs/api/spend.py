@@ -14,8 +14,8 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from runs import spend
+from runs.api.common import ApiError, actor_for, errors, has_perm
 from runs.api.limits import _Int, _Text
-from runs.api_common import ApiError, actor_for, errors, has_perm
 from runs.models import SpendCap, SpendReservation
 
 _COST = {"max_digits": 12, "decimal_places": 6, "min_value": Decimal(0)}

@@ -24,7 +24,7 @@ from runs.record.checkpoint import LeaseLost, RunNotFound, checkpoint
 from runs.record.common import kind_filter
 from runs.record.runs import WAITING_FOR_PROCESS, run_lease_expired
 from runs.registry import registry
-from runs.remote.manifest import is_remote
+from runs.remote.manifest import RemoteAgent, is_remote
 from runs.remote.resume import resume_packet
 from runs.services import BudgetExhausted, InvalidState
 from runs.tokens import token_hash
@@ -215,6 +215,8 @@ def _settle_open_step(lease: RemoteLease) -> None:
     done, tool = engine.open_call(lease, step, call)
     if done is not None:
         return
+    # open_call handled a tool retired or changed (tool_changed): here the tool is deployed
+    assert tool is not None
     if call.status == ToolCall.Status.DISPATCHING:
         engine.mark_unknown(
             lease, call, f"left in dispatching by incarnation {call.dispatch_incarnation}"
@@ -287,12 +289,15 @@ def remote_lease_acquire(*, run_id: Any, actor: Actor, owner: str = "") -> Lease
             f"the run is {run.status} ({run.reason_code}): {run.reason_detail}".strip(": ")
         )
     packet = resume_packet(run)
-    if lease.agent is not None and migrated_from != run.agent_version:
+    # a remote run's agent is its manifest's (runs.remote.manifest), whose hops carry notes
+    if isinstance(lease.agent, RemoteAgent) and migrated_from != run.agent_version:
         packet["migrated_from"] = migrated_from
         packet["migrations"] = [
             {"from": source, "to": target, "description": lease.agent.migration_notes.get(source)}
             for source, target, _fn in lease.agent.migration_path(migrated_from) or []
         ]
+    # the claim above set it (this fence's lease, checked just now)
+    assert run.lease_expires_at is not None
     return LeaseGrant(
         run_id=run.id,
         fence=run.fence,

@@ -62,7 +62,7 @@ class LookupTooEarly(InvalidState):
     code = "lookup_too_early"
     status = 409
 
-    def __init__(self, message: str, *, resend_after: datetime):
+    def __init__(self, message: str, *, resend_after: datetime | None):
         super().__init__(message)
         self.extra = {"resend_after": resend_after}
 
@@ -145,7 +145,7 @@ def _proposal(run_id: Any, step: Step, call: ToolCall | None, *, replayed: bool)
     return Proposal("approved", step, call, None, "", replayed)
 
 
-_SETTLED_DECISIONS = {
+_SETTLED_DECISIONS: dict[str, str] = {
     ToolCall.Status.REJECTED: "rejected",
     ToolCall.Status.FAILED: "failed",
     ToolCall.Status.CANCELLED: "cancelled",
@@ -484,6 +484,7 @@ def _dispatch_in_transaction(
             engine.tool_changed(lease, step, call, tool)
             call.refresh_from_db()
             return Dispatch(False, call, "the tool changed since the call was proposed")
+        assert tool is not None  # tool_accepts refuses a tool no longer registered
         if call.status == ToolCall.Status.UNKNOWN:
             _check_redispatch(lease, call, tool)
         elif call.status not in (ToolCall.Status.PROPOSED, ToolCall.Status.APPROVED):
@@ -580,6 +581,8 @@ def remote_toolcall_send_check(
             f"the call is {call.status} at attempt {call.attempt_count}: not fence {fence}'s "
             f"dispatch attempt {attempt}; do not send"
         )
+    # this fence's dispatch attempt: the dispatching commit set both deadlines
+    assert call.send_deadline is not None and call.landing_deadline is not None
     raise SendDeadlinePassed(
         f"the send deadline {call.send_deadline.isoformat()} has passed: do not send; report "
         "not_sent (or unknown) and reconcile the call",
@@ -623,6 +626,7 @@ def remote_toolcall_lookup_begin(
             lookups_begun=F("lookups_begun") + 1, lookup_started_at=Now()
         )
         call.refresh_from_db()
+        assert call.lookup_started_at is not None  # set to Now() by the update just above
         landing = None
         if not honours_key:
             landing = (
@@ -720,6 +724,7 @@ def remote_toolcall_receipt(
         call.refresh_from_db()
         return call
     if outcome == "absent":
+        assert lookup is not None  # LookupRequired above
         return _record_absent(lease, call, lookup)
     ok = outcome == "succeeded"
     with lease.checkpoint() as cp:

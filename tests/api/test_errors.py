@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from django.db import IntegrityError
 
-from runs.api_common import exception_handler
+from runs.api.common import exception_handler
 
 
 @pytest.mark.django_db
