@@ -10,7 +10,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 
 from agentops.mcp import remote
-from runs.api_common import actor_for, errors
+from runs.api.common import actor_for, errors
 
 
 class WaitingRunSerializer(serializers.Serializer):
