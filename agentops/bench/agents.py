@@ -8,6 +8,7 @@ boundaries, events) with nothing but the engine's own work per step.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -29,6 +30,14 @@ READ_AGENT = "bench.read"
 IDEMPOTENT_AGENT = "bench.idempotent"
 SLOW_AGENT = "bench.slow"
 APPROVAL_AGENT = "bench.approval"
+SANDBOX_AGENT = "bench.sandbox"
+SANDBOX_TOOL = "bench.sandbox_refund"
+# where the flow section's sandbox listens, and how long it takes over each refund: read by
+# the tool at each call (the workers get them in their environment)
+SANDBOX_URL_ENV = "AGENTOPS_BENCH_SANDBOX_URL"
+SANDBOX_LATENCY_ENV = "AGENTOPS_BENCH_SANDBOX_LATENCY_MS"
+# the sandbox's largest seed order: a cent per refund leaves room for 500,000 of them
+SANDBOX_ORDER = "ord_1010"
 
 _STEPS_SCHEMA = {
     "type": "object",
@@ -58,6 +67,31 @@ def _sleepy(arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
     # a tool that takes a while, so a worker is seen holding runs when it is killed
     time.sleep(float(arguments.get("sleep", 0.1)))
     return ToolResult(result={"i": arguments["i"]})
+
+
+def _sandbox_refund(arguments: Mapping[str, Any], ctx: ToolContext) -> ToolResult:
+    """A one-cent refund at the sandbox payments service (agentops.demo.sandbox), which holds
+    each one for a few milliseconds (its latency fault) and counts the refunds it is handling
+    at once: the downstream's own view of how many calls were in flight (the flow section).
+    Sent as the demo's HTTP tools send (``runs.toolhttp``: key, fence, send deadline)."""
+    from agentops.demo.sandbox import FAULT_HEADER
+    from runs import toolhttp
+
+    latency_ms = int(os.environ.get(SANDBOX_LATENCY_ENV, "5"))
+    response = toolhttp.request(
+        ctx,
+        "POST",
+        os.environ[SANDBOX_URL_ENV].rstrip("/") + "/refunds",
+        json={
+            "idempotency_key": ctx.idempotency_key,
+            "order_id": SANDBOX_ORDER,
+            "amount_cents": 1,
+            "reason": f"bench {arguments['i']}",
+        },
+        headers={FAULT_HEADER: f"latency={latency_ms}"},
+    )
+    body = response.json()
+    return ToolResult(result={"i": arguments["i"]}, external_ref=body.get("refund_id", ""))
 
 
 class _BenchAgent(Agent):
@@ -105,6 +139,12 @@ class ApprovalAgent(_BenchAgent):
     tool_name = "bench.approved_idempotent"
 
 
+class SandboxAgent(_BenchAgent):
+    name = SANDBOX_AGENT
+    description = "benchmark: K one-cent refunds at the sandbox (the flow section)"
+    tool_name = SANDBOX_TOOL
+
+
 TOOLS = (
     Tool(name="bench.noop_read", effect=Effect.READ, call=_noop, schema=_ARGS_SCHEMA),
     Tool(name="bench.noop_idempotent", effect=Effect.IDEMPOTENT, call=_noop, schema=_ARGS_SCHEMA),
@@ -118,8 +158,16 @@ TOOLS = (
         schema=_ARGS_SCHEMA,
         approval=ApprovalPolicy(when="always", group="approver"),
     ),
+    # the sandbox deduplicates refunds by key (it runs with --mode dedupe for the bench)
+    Tool(
+        name=SANDBOX_TOOL,
+        effect=Effect.IDEMPOTENT,
+        call=_sandbox_refund,
+        schema=_ARGS_SCHEMA,
+        timeout=5,
+    ),
 )
-AGENTS = (ReadAgent, IdempotentAgent, SlowAgent, ApprovalAgent)
+AGENTS = (ReadAgent, IdempotentAgent, SlowAgent, ApprovalAgent, SandboxAgent)
 
 
 def register() -> None:

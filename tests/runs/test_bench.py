@@ -275,3 +275,91 @@ def test_a_step_is_one_statement_with_policies_read_as_deployed(settings):
         published_tools.clear()
     assert read["queries_per_step"] == 1, read
     assert idempotent["queries_per_step"] == 3, idempotent
+
+
+@needs_postgres
+@pytest.mark.slow
+@pytest.mark.django_db(transaction=True)
+def test_the_flow_section_reports_a_limit_that_does_not_bind_and_the_sandbox_view_of_one_that_does(
+    tmp_path, roles
+):
+    """Issue 26: ``--only flow`` runs the throughput method with and without a limit that
+    does not bind, and a binding limit whose maximum in flight the sandbox itself reports:
+    never above the limit, and reached."""
+    from runs.models import ToolLimit
+
+    output = tmp_path / "report.json"
+    call_command(
+        "bench",
+        "--in-place",
+        "--only",
+        "flow",
+        "--runs",
+        "3",
+        "--steps",
+        "2",
+        "--rounds",
+        "1",
+        "--flow-runs",
+        "8",
+        "--output",
+        str(output),
+        stdout=io.StringIO(),
+        stderr=io.StringIO(),
+    )
+    report = json.loads(output.read_text())
+    flow = report["results"]["flow"]
+    assert "error" not in flow, flow
+    free = flow["not_binding"]
+    assert free["succeeded"] == 3 and free["ratio"]["median"] > 0
+    for side in ("unlimited", "limited"):
+        assert free[side]["steps_per_s"] > 0 and free[side]["queries_per_step"] > 0
+    # a limited tool's call is decided, then dispatched under its limit: more per step
+    assert free["limited"]["queries_per_step"] > free["unlimited"]["queries_per_step"]
+
+    bound = flow["binding"]
+    assert bound["max_in_flight"] == 2
+    for side in ("unlimited", "limited"):
+        assert bound[side]["succeeded"] == 8, bound[side]
+        assert bound[side]["sandbox_requests"] == 8 * 2
+    # the downstream's own count: the limit held, and the workers reached it
+    assert bound["limited"]["sandbox_max_in_flight"] <= 2
+    assert bound["limited"]["record_max_in_flight_at_grant"] <= 2
+    verdicts = {check["target"]: check for check in report["targets"]}
+    assert any(name.startswith("flow: with a binding limit") for name in verdicts)
+    # the operators' limits the bench set are gone again
+    assert not ToolLimit.objects.exists()
+    assert agents.SANDBOX_AGENT not in {agent.name for agent in registry.agents()}
+
+
+def test_the_flow_targets_hold_only_at_the_limit_and_within_ten_percent():
+    from agentops.bench.management.commands.bench import targets
+
+    def report(ratio, seen):
+        side = {"queries_per_step": 3, "commits_per_step_exact": 2, "steps_per_s": 100.0}
+        bound = {"sandbox_max_in_flight": seen, "steps_per_s": 50.0}
+        return {
+            "flow": {
+                "not_binding": {
+                    "max_in_flight": 1000,
+                    "rounds_measured": 3,
+                    "ratio": {"median": ratio, "min": ratio, "max": ratio},
+                    "unlimited": side,
+                    "limited": side,
+                },
+                "binding": {
+                    "max_in_flight": 2,
+                    "unlimited": {**bound, "sandbox_max_in_flight": 6},
+                    "limited": bound,
+                },
+            }
+        }
+
+    def verdicts(results):
+        return [check["holds"] for check in targets(results) if check["target"].startswith("flow")]
+
+    assert verdicts(report(0.95, 2)) == [True, True]
+    assert verdicts(report(0.85, 2)) == [False, True]
+    # over the limit, or never reaching it (the limit did not bind): both miss
+    assert verdicts(report(0.95, 3)) == [True, False]
+    assert verdicts(report(0.95, 1)) == [True, False]

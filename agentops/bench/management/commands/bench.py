@@ -29,7 +29,7 @@ from django.core.management import call_command
 from django.core.management.base import BaseCommand, CommandError
 from django.db import OperationalError, connection, connections
 
-from agentops.bench import agents, measure, scale
+from agentops.bench import agents, flowcontrol, measure, scale
 from agentops.bench.database import NotPostgres, bench_database, database_url, require_postgres
 
 # (quick, full): the issue's sizes are the full ones
@@ -53,10 +53,17 @@ SIZES = {
     "scale_events": (200_000, 10_000_000),
     "scale_big_events": (2_000, 10_000),
     "scale_repeat": (10, 30),
+    # the flow section (--only flow): the binding limit's runs of K sandbox refunds, the
+    # limit, how long the sandbox holds each refund, and each worker's task processes (more
+    # than the limit: the workers could have more calls in flight than it allows)
+    "flow_runs": (30, 100),
+    "flow_limit": (2, 2),
+    "flow_latency_ms": (5, 5),
+    "flow_task_processes": (4, 4),
 }
 SECTIONS = ("throughput", "overhead", "recovery", "approval", "memory", "pages", "http")
 # sections only --only names: make bench without them stays as fast as it was
-OPTIONAL_SECTIONS = ("scale",)
+OPTIONAL_SECTIONS = ("scale", "flow")
 # DBOS Transact 3.4.0 on this kind of machine (../shared/peers/README.md), used when DBOS
 # is not measured in the same run
 DBOS_REFERENCE = {"steps_per_s_1": 207.0, "steps_per_s_2": 224.0, "step_ms_p50": 5.2}
@@ -90,6 +97,16 @@ class Command(BaseCommand):
         parser.add_argument("--scale-events", type=int, help="scale: events in the record")
         parser.add_argument("--scale-big-events", type=int, help="scale: events of the big run")
         parser.add_argument("--scale-repeat", type=int, help="scale: timings per read")
+        parser.add_argument("--flow-runs", type=int, help="flow: runs under the binding limit")
+        parser.add_argument("--flow-limit", type=int, help="flow: the binding limit (in flight)")
+        parser.add_argument(
+            "--flow-latency-ms", type=int, help="flow: the sandbox's time per refund"
+        )
+        parser.add_argument(
+            "--flow-task-processes",
+            type=int,
+            help="flow: task processes per worker under the binding limit",
+        )
         parser.add_argument(
             "--only",
             help=f"comma-separated sections (default all but {', '.join(OPTIONAL_SECTIONS)}): "
@@ -144,6 +161,13 @@ class Command(BaseCommand):
                 size[key] = tuple(options[key]) if key == "memory_steps" else options[key]
         if size["runs"] < 1 or size["steps"] < 1 or size["rounds"] < 1:
             raise CommandError("--runs, --steps and --rounds must be at least 1")
+        if min(size["flow_runs"], size["flow_limit"], size["flow_latency_ms"]) < 1 or (
+            size["flow_task_processes"] < 1
+        ):
+            raise CommandError(
+                "--flow-runs, --flow-limit, --flow-latency-ms and --flow-task-processes "
+                "must be at least 1"
+            )
         if min(size["scale_runs"], size["scale_big_events"], size["scale_repeat"]) < 1 or (
             size["scale_events"] < 2 * size["scale_runs"]
         ):
@@ -364,6 +388,24 @@ class Command(BaseCommand):
                     clients=4,
                     port=_free_port(),
                 )
+        if "flow" in only:
+            results["flow"] = self._section(
+                ctx,
+                "flow",
+                lambda: {
+                    "not_binding": flowcontrol.limit_overhead(
+                        ctx, runs=runs, steps=steps, rounds=size["rounds"]
+                    ),
+                    "binding": flowcontrol.binding_limit(
+                        ctx,
+                        runs=size["flow_runs"],
+                        steps=steps,
+                        limit=size["flow_limit"],
+                        latency_ms=size["flow_latency_ms"],
+                        processes=size["flow_task_processes"],
+                    ),
+                },
+            )
         if "scale" in only:
             results["scale"] = scale.scale(
                 ctx.say,
@@ -606,6 +648,7 @@ def targets(results: dict) -> list[dict]:
         checks.append(
             _check("worker RSS growth < 10%", memory["growth_pct"], 10, memory["growth_pct"] < 10)
         )
+    checks += _flow_targets(results.get("flow"))
     sc = results.get("scale")
     if sc:
         t = sc["targets"]
@@ -637,6 +680,44 @@ def targets(results: dict) -> list[dict]:
                 t["plans_ok"],
             ),
         ]
+    return checks
+
+
+def _flow_targets(flow: dict | None) -> list[dict]:
+    if not flow or "error" in flow:
+        return []
+    checks = []
+    free = flow["not_binding"]
+    ratio = free["ratio"]
+    if ratio:
+        checks.append(
+            _check(
+                f"flow: a limit that does not bind ({free['max_in_flight']} in flight) keeps "
+                "steps/s within 10 % of no limit",
+                ratio["median"],
+                0.9,
+                ratio["median"] >= 0.9,
+                f"limited / unlimited, median of {free['rounds_measured']} interleaved "
+                f"round(s), range {ratio['min']}-{ratio['max']}; statements per step "
+                f"{free['unlimited']['queries_per_step']} -> {free['limited']['queries_per_step']}"
+                f", commits {free['unlimited']['commits_per_step_exact']} -> "
+                f"{free['limited']['commits_per_step_exact']}",
+            )
+        )
+    bound = flow["binding"]
+    seen, control = bound["limited"]["sandbox_max_in_flight"], bound["unlimited"]
+    checks.append(
+        _check(
+            f"flow: with a binding limit the sandbox's maximum in flight equals the limit "
+            f"({bound['max_in_flight']})",
+            seen,
+            bound["max_in_flight"],
+            seen == bound["max_in_flight"],
+            f"{control['sandbox_max_in_flight']} without the limit (same workers); "
+            f"{bound['limited']['steps_per_s']} steps/s under it, "
+            f"{control['steps_per_s']} without",
+        )
+    )
     return checks
 
 
@@ -746,6 +827,7 @@ def table(report: dict) -> str:
                 f"{f['queries']:>3} queries ({f.get('queries_with_few_rows')} with few rows)"
                 + (f"  {rps} req/s (gunicorn)" if rps is not None else "")
             )
+    lines += _flow_table(results.get("flow"))
     sc = results.get("scale")
     if sc:
         fill = sc["fill"]
@@ -782,6 +864,43 @@ def table(report: dict) -> str:
                 + (f"  [{check['note']}]" if check["note"] else "")
             )
     return "\n".join(lines)
+
+
+def _flow_table(flow: dict | None) -> list[str]:
+    if not flow:
+        return []
+    if "error" in flow:
+        return ["", f"flow: FAILED: {flow['error']}"]
+    free, bound = flow["not_binding"], flow["binding"]
+    lines = [
+        "",
+        f"flow control: a limit of {free['max_in_flight']} in flight that does not bind "
+        f"({free['runs']} runs x {free['steps_per_run']} idempotent no-op steps, "
+        f"{free['workers']} workers; median of {free['rounds_measured']} interleaved round(s))",
+    ]
+    for side in ("unlimited", "limited"):
+        f = free[side]
+        lines.append(
+            f"  {side:<10} {_f(f['steps_per_s']):>7} steps/s  {_f(f['commits_per_step'])} "
+            f"commits/step (all the workers' transactions)  cpu {_f(f['worker_cpu_ms_per_step'])}"
+            f" ms/step  one step: {f['queries_per_step']} statements, "
+            f"{f['commits_per_step_exact']} commits"
+        )
+    lines.append(f"  limited / unlimited: {_ranged(free['ratio'])}")
+    lines.append(
+        f"flow control: a binding limit of {bound['max_in_flight']} in flight ({bound['runs']} "
+        f"runs x {bound['steps_per_run']} sandbox refunds of {bound['latency_ms']} ms, "
+        f"{bound['workers']} workers x {bound['task_processes_per_worker']} task processes)"
+    )
+    for side in ("unlimited", "limited"):
+        f = bound[side]
+        lines.append(
+            f"  {side:<10} sandbox max in flight {f['sandbox_max_in_flight']}  "
+            f"{_f(f['steps_per_s'])} steps/s ({_f(f['sandbox_requests_per_s'])} refunds/s at "
+            f"the sandbox)  {f['succeeded']}/{bound['runs']} succeeded  "
+            f"{f['waits_for_capacity']} waits for capacity"
+        )
+    return lines
 
 
 def _f(value: Any) -> str:
