@@ -324,6 +324,10 @@ def _waited_call():
 
 def _next_waiters(tool_name: str, key: str, count: int) -> list[Any]:
     """The run ids whose turn it is for ``count`` slots."""
+    if not ToolWaiter.objects.filter(tool_name=tool_name, limit_key=key).exists():
+        # the usual case of a limit that does not bind: a plain look instead of compiling
+        # and running the fair line's window query
+        return []
     return [waiter.run_id for waiter in _line(tool_name, key)[:count]]
 
 
@@ -373,6 +377,12 @@ def wake(tool_name: str, key: str) -> int:
     from runs.queue import enqueue_run
     from runs.record.runs import run_wake_waiting
 
+    if not ToolWaiter.objects.filter(tool_name=tool_name, limit_key=key).exists():
+        # nobody waits: nothing to lock or rank. No wake-up is lost by not looking further —
+        # a waiter is listed in its own commit and wakes the line itself right after it
+        # (``wait_commit``), so a waiter this statement did not see reads capacity after
+        # whatever freed it had committed
+        return 0
     limits = limit_for_name(tool_name)
     if limits is None:
         # the limit was removed: everyone waiting may go
