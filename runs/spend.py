@@ -24,15 +24,14 @@ next one: charged to the run's usage at its maximum, and kept charged in its sco
 an operator settles it with the real usage (``spend_reservation_settle``).
 
 With no caps configured nothing here runs on the hot path: which caps exist is known
-in-process, re-read only when the claim statement reports that they changed (the generation
-rides on runs.flow's), and a tool call of an uncapped run is dispatched as before. Dry runs
-are never counted against caps.
+in-process, re-read only when the claim statement reports that they changed
+(``runs.record.configcache``), and a tool call of an uncapped run is dispatched as before.
+Dry runs are never counted against caps.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 import zoneinfo
 from dataclasses import dataclass
 from datetime import datetime
@@ -40,12 +39,13 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
 from runs.errors import InvalidInput, InvalidState, NotFound
 from runs.models import Run, SpendCap, SpendCounter, SpendReservation, SpendStop
+from runs.record import configcache
 from runs.record.eventtypes import EventType
 
 log = logging.getLogger(__name__)
@@ -67,46 +67,27 @@ class CapLimit:
 
 # --- which caps exist (in-process, no query on the hot path) ----------------------------------
 
-_lock = threading.Lock()
-_caps: dict[tuple[str, str], CapLimit] = {}
-_generation: str | None = None
 
-_TABLE = SpendCap._meta.db_table
-# the caps' generation, carried by the claim statement with runs.flow's (flow.GENERATION_SQL)
-GENERATION_SQL = {
-    "postgresql": (
-        f"(SELECT count(*)::text || ':' || coalesce(max(updated_at)::text, '') FROM {_TABLE})"
-    ),
-    "sqlite": f"(SELECT count(*) || ':' || coalesce(max(updated_at), '') FROM {_TABLE})",
-}
+def _read_caps(generation: str | None) -> dict[tuple[str, str], CapLimit]:
+    if generation is not None and generation.startswith("0:"):
+        return {}  # no rows: no query
+    return {
+        (row.scope, row.subject): CapLimit(row.max_cost, row.max_tokens)
+        for row in SpendCap.objects.all()
+    }
 
 
-def note_generation(generation: str | None) -> None:
-    """The claim read the caps' generation: re-read them when it changed. No rows, no
-    query."""
-    global _generation
-    if generation is None or generation == _generation:
-        return
-    with _lock:
-        caps: dict[tuple[str, str], CapLimit] = {}
-        if not generation.startswith("0:"):
-            for row in SpendCap.objects.all():
-                caps[(row.scope, row.subject)] = CapLimit(row.max_cost, row.max_tokens)
-        _caps.clear()
-        _caps.update(caps)
-        _generation = generation
-
-
-def refresh() -> None:
-    """Read the generation now (one query): for paths with no claim statement to carry it."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT " + GENERATION_SQL[connection.vendor])
-        note_generation(cursor.fetchone()[0])
+# the operators' caps, re-read when the claim statement reports that they changed
+_caps = configcache.register(
+    "spend_caps",
+    generation_sql=configcache.rows_generation_sql(SpendCap._meta.db_table),
+    read=_read_caps,
+)
 
 
 def active() -> bool:
     """Whether any cap is configured (as this process last saw it)."""
-    return bool(_caps)
+    return bool(_caps.get())
 
 
 def _zone() -> zoneinfo.ZoneInfo:
@@ -119,20 +100,20 @@ def today(now: datetime | None = None) -> str:
 
 
 def _cap_of(scope: str, subject: str) -> CapLimit | None:
-    cap = _caps.get((scope, subject))
+    cap = _caps.get().get((scope, subject))
     if cap is None and scope in PRINCIPAL_SCOPES:
-        cap = _caps.get((scope, EVERY_PRINCIPAL))
+        cap = _caps.get().get((scope, EVERY_PRINCIPAL))
     return cap
 
 
 def scopes_of(run: Run, now: datetime | None = None) -> list[tuple[str, str, str, CapLimit]]:
     """The capped scopes a run counts in now: (scope, subject, period, cap). None for a dry
     run or with no caps (no query)."""
-    if not _caps or run.dry_run:
+    if not _caps.get() or run.dry_run:
         return []
     found = []
     day = None
-    cap = _caps.get((Scope.AGENT, run.agent_name))
+    cap = _caps.get().get((Scope.AGENT, run.agent_name))
     if cap is not None:
         found.append((Scope.AGENT, run.agent_name, "", cap))
     if run.principal_id is not None:
@@ -144,7 +125,7 @@ def scopes_of(run: Run, now: datetime | None = None) -> list[tuple[str, str, str
         if cap is not None:
             day = day or today(now)
             found.append((Scope.PRINCIPAL_DAY, principal, day, cap))
-    cap = _caps.get((Scope.GLOBAL_DAY, ""))
+    cap = _caps.get().get((Scope.GLOBAL_DAY, ""))
     if cap is not None:
         found.append((Scope.GLOBAL_DAY, "", day or today(now), cap))
     return found
@@ -152,7 +133,7 @@ def scopes_of(run: Run, now: datetime | None = None) -> list[tuple[str, str, str
 
 def applies(run: Run) -> bool:
     """Whether a cap covers this run (in-process: no query)."""
-    return bool(_caps) and bool(scopes_of(run))
+    return bool(_caps.get()) and bool(scopes_of(run))
 
 
 # --- checking and reserving (inside the deciding or dispatching transaction) -------------------
@@ -706,7 +687,7 @@ def spend_cap_set(
         row.set_by, row.reason = actor.label, reason
         row.save()
         _audit("spend.cap_set", actor, request, f"{scope}:{stored}", before, _cap_json(row))
-    refresh()
+    configcache.refresh()
     _resume_with_room(scope, stored, actor)
     return row
 
@@ -725,7 +706,7 @@ def spend_cap_remove(
         before = _cap_json(row)
         row.delete()
         _audit("spend.cap_removed", actor, request, f"{scope}:{stored}", before, {"reason": reason})
-    refresh()
+    configcache.refresh()
     _resume_with_room(scope, stored, actor)
     return True
 
@@ -773,7 +754,7 @@ def spend_top_up(
     # nothing to add is allowed: it resumes the runs the scope stopped if it has room again
     cost = _amount(add_cost, "add_cost") or _ZERO
     tokens = _tokens(add_tokens, "add_tokens") or 0
-    refresh()
+    configcache.refresh()
     cap = _cap_of(scope, stored)
     if cap is None:
         raise CapNotFound(f"no cap on {scope} {subject}".strip())
