@@ -16,13 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Edges left in place for now, each with why: the graph without them has no circle, and each
 # must still exist (remove it here when the code no longer has it). Add none without a reason.
-KNOWN_EDGES = {
-    ("runs.record.transitions", "runs.spend"): (
-        "a call's spend reservation is settled in the receipt's own commit (settle_call), "
-        "while runs.spend also holds the services above the record (caps, top-ups, alerts, "
-        "parking runs): split it into rules below the record and services above"
-    ),
-}
+KNOWN_EDGES = {}
 
 
 def _modules() -> dict[str, Path]:
