@@ -396,12 +396,6 @@ if Q_CLUSTER["timeout"] >= Q_CLUSTER["retry"]:
 AGENTOPS: dict[str, Any] = {
     # lease length; renewed at every checkpoint and by a heartbeat during tool calls
     "LEASE_TTL": env_float("AGENTOPS_LEASE_TTL", 30.0),
-    # issue 23: how long a process trusts what it last read of which tools have a published
-    # approval policy (data) and of a principal's groups, before it reads them again. A call
-    # that only the code policy governs is decided with no query; a version published in
-    # this process applies at once, in another process within this many seconds; an
-    # approval is always checked against the version current at its consumption
-    "POLICY_REFRESH_SECONDS": env_float("AGENTOPS_POLICY_REFRESH_SECONDS", 1.0),
     # how often the sweeper looks for expired leases, due timers and orphaned runs
     "SWEEP_INTERVAL": env_float("AGENTOPS_SWEEP_INTERVAL", 1.0),
     # an enqueued run not claimed within this long is enqueued again (duplicates are harmless)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 from typing import Any
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 from django.db.models.functions import Now
@@ -18,6 +16,7 @@ from approvals.models import Approval, ApprovalDecision, ApprovalPolicyVersion
 from approvals.notify import links_create_and_email
 from runs.dbtime import db_now
 from runs.gate import GateRefused, GateView, Verdict, code_verdict, recorded_facts
+from runs.record import configcache
 from runs.record.eventtypes import EventType
 
 
@@ -67,41 +66,30 @@ def most_specific(
     )
 
 
-class PublishedTools:
-    """Which tools have a published data policy, as this process last read it (one query
-    for all of them, again once ``POLICY_REFRESH_SECONDS`` have passed). A call of a tool
-    that has none is decided by its code policy with no query — the hot path of every step
-    (docs/benchmarks.md: one statement per read step). A publish or withdrawal in this
-    process clears it at its commit; in another process it is seen within the interval."""
-
-    def __init__(self) -> None:
-        self._tools: frozenset[str] | None = None
-        self._read_at = 0.0
-
-    def any_for(self, tool_name: str) -> bool:
-        refresh = settings.AGENTOPS["POLICY_REFRESH_SECONDS"]
-        now = time.monotonic()
-        tools = self._tools
-        if tools is None or refresh <= 0 or now - self._read_at >= refresh:
-            tools = frozenset(
-                ApprovalPolicyVersion.objects.filter(
-                    status=ApprovalPolicyVersion.Status.PUBLISHED, withdraws=False
-                ).values_list("policy__tool_name", flat=True)
-            )
-            self._tools, self._read_at = tools, now
-        return tool_name in tools
-
-    def clear(self) -> None:
-        self._tools = None
+def _read_published_tools(generation: str | None) -> frozenset[str]:
+    return frozenset(
+        ApprovalPolicyVersion.objects.filter(
+            status=ApprovalPolicyVersion.Status.PUBLISHED, withdraws=False
+        ).values_list("policy__tool_name", flat=True)
+    )
 
 
-published_tools = PublishedTools()
+# Which tools have a published data policy, as this process read it since it last changed
+# anywhere (one query for all of them; triggers move the generation: migration 0015). A call
+# of a tool that has none is decided by its code policy with no query — the hot path of every
+# step (docs/benchmarks.md: one statement per read step).
+published_tools = configcache.register(
+    "policies",
+    generation_sql=configcache.token_generation_sql("policies"),
+    read=_read_published_tools,
+)
 
 
 @receiver(post_save, sender=ApprovalPolicyVersion)
 def _policy_version_saved(sender: Any, **kwargs: Any) -> None:
-    # published, superseded or withdrawn here: this process reads them again after the commit
-    transaction.on_commit(published_tools.clear)
+    # published, superseded or withdrawn here: this process reads them again after the commit,
+    # before any claim tells it (a decision it takes right after a publish applies it)
+    transaction.on_commit(published_tools.forget)
 
 
 def verdict_of(
@@ -258,7 +246,7 @@ def approval_create(
 
 class ApprovalsGate:
     def assess(self, *, run, tool, arguments, facts) -> Verdict:
-        if not published_tools.any_for(tool.name):
+        if tool.name not in published_tools.get():
             return code_verdict(tool, arguments)
         version = current_version(
             tool.name, agent=facts.get("agent", ""), groups=facts.get("groups", ())

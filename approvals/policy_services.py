@@ -31,6 +31,7 @@ from runs.audit.entries import audit_record
 from runs.errors import NotFound
 from runs.gate import Verdict, code_verdict, policy_facts
 from runs.models import ToolCall
+from runs.record import configcache
 from runs.record.checkpoint import checkpoint
 from runs.record.eventtypes import EventType
 from runs.registry import UnknownTool, call_summary, registry
@@ -297,6 +298,8 @@ def policy_version_publish(
 
 def _recheck_pending(tool_name: str, *, actor: Actor) -> Republished:
     done = Republished()
+    # no claim precedes this: read the generations so the principals' groups are current
+    configcache.refresh()
     try:
         tool = registry.tool(tool_name)
     except UnknownTool:

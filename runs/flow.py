@@ -18,23 +18,21 @@ are woken in fair order: the principal served longest ago first, then the oldest
 With no limit on a tool nothing here runs: the hot path's statements do not change. Which
 tools are limited is known in-process: the declared limits are code, and the operators'
 rows are re-read only when the claim statement reports that they changed
-(``note_generation``).
+(``runs.record.configcache``).
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import threading
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import Exists, F, OuterRef, Subquery, Value, Window
 from django.db.models.functions import Coalesce, Now, RowNumber
 
-from runs import spend
 from runs.errors import DomainError, InvalidInput
 from runs.models import (
     AgentManifest,
@@ -45,6 +43,7 @@ from runs.models import (
     ToolShare,
     ToolWaiter,
 )
+from runs.record import configcache
 from runs.record.eventtypes import EventType
 from runs.registry import Limits, Tool
 
@@ -58,50 +57,19 @@ _IN_LINE = (Run.Status.QUEUED, Run.Status.RUNNING)
 
 # --- which tools are limited (in-process, no query on the hot path) ---------------------------
 
-_lock = threading.Lock()
-_operator_limits: dict[str, Limits] = {}
-_generation: str | None = None
 
-# SQL giving the operators' limits' generation: it changes whenever a row is added, changed
-# or removed. The claim statement returns it (runs.record.postgres/orm.take_lease), followed
-# by the spend caps' (runs.spend) after a "|": one value, no extra query.
-GENERATION_SQL = {
-    "postgresql": (
-        "(SELECT count(*)::text || ':' || coalesce(max(updated_at)::text, '') "
-        f"FROM {ToolLimit._meta.db_table}) || '|' || {spend.GENERATION_SQL['postgresql']}"
-    ),
-    "sqlite": (
-        f"(SELECT count(*) || ':' || coalesce(max(updated_at), '') FROM {ToolLimit._meta.db_table})"
-        f" || '|' || {spend.GENERATION_SQL['sqlite']}"
-    ),
-}
+def _read_operator_limits(generation: str | None) -> dict[str, Limits]:
+    if generation is not None and generation.startswith("0:"):
+        return {}  # no rows: no query
+    return {row.tool_name: limits_of(row) for row in ToolLimit.objects.all()}
 
 
-def note_generation(generation: str | None) -> None:
-    """The claim (or a remote dispatch) read the operators' limits' generation (and the
-    spend caps', after "|"): re-read them when it changed. No rows, no query."""
-    global _generation
-    if generation is None:
-        return
-    generation, _bar, caps = generation.partition("|")
-    spend.note_generation(caps or None)
-    if generation == _generation:
-        return
-    with _lock:
-        if generation.startswith("0:"):
-            limits: dict[str, Limits] = {}
-        else:
-            limits = {row.tool_name: limits_of(row) for row in ToolLimit.objects.all()}
-        _operator_limits.clear()
-        _operator_limits.update(limits)
-        _generation = generation
-
-
-def refresh() -> None:
-    """Read the generation now (one query): for paths that have no statement to carry it."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT " + GENERATION_SQL[connection.vendor])
-        note_generation(cursor.fetchone()[0])
+# the operators' rows, re-read when the claim statement reports that they changed
+_operator_limits = configcache.register(
+    "tool_limits",
+    generation_sql=configcache.rows_generation_sql(ToolLimit._meta.db_table),
+    read=_read_operator_limits,
+)
 
 
 def limits_of(row: ToolLimit) -> Limits:
@@ -119,7 +87,7 @@ def limit_for(tool: Tool | None) -> Limits | None:
     nothing binds."""
     if tool is None:
         return None
-    limits = _operator_limits.get(tool.name, tool.limits)
+    limits = _operator_limits.get().get(tool.name, tool.limits)
     return limits if limits is not None and limits.binding else None
 
 
@@ -129,7 +97,7 @@ def limit_for_name(tool_name: str) -> Limits | None:
     try:
         return limit_for(registry.tool(tool_name))
     except UnknownTool:
-        limits = _operator_limits.get(tool_name)
+        limits = _operator_limits.get().get(tool_name)
         return limits if limits is not None and limits.binding else None
 
 
@@ -422,7 +390,7 @@ def sweep_waiters() -> None:
     token, a lost wake-up), and forget waiters whose run no longer waits."""
     if not ToolWaiter.objects.exists():
         return
-    refresh()
+    configcache.refresh()
     ToolWaiter.objects.exclude(run__status__in=_IN_LINE).delete()
     ToolWaiter.objects.exclude(Exists(_waited_call())).delete()
     for tool_name, key in (
@@ -559,7 +527,7 @@ def _changed(action: str, actor: Any, request: Any, tool_name: str, before: Any,
 
 
 def _limits_changed(tool_name: str) -> None:
-    refresh()
+    configcache.refresh()
     for key in (
         ToolWaiter.objects.filter(tool_name=tool_name)
         .values_list("limit_key", flat=True)

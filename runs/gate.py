@@ -7,10 +7,11 @@ refused (the engine fails the step) rather than dispatched unapproved.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+
+from runs.record import configcache
 
 if TYPE_CHECKING:
     from runs.models import Run, ToolCall
@@ -63,8 +64,8 @@ def policy_facts(run: Run) -> dict[str, Any]:
     its groups, the agent, the run's spend so far and the time. Recorded on the call
     (``ToolCall.policy_input``) when it is decided, so a policy is re-evaluated — at the
     dispatch, or in a simulation — on what was true then. The principal's name and groups
-    come from what this process read of them within ``POLICY_REFRESH_SECONDS``: no query
-    on a step's path."""
+    come from what this process read of them since they last changed (``principal_facts``):
+    no query on a step's path."""
     from django.utils import timezone
 
     username, groups = principal_facts(run.principal_id)
@@ -79,36 +80,41 @@ def policy_facts(run: Run) -> dict[str, Any]:
     }
 
 
-# principal id -> (when read, username, sorted group names)
-_principals: dict[Any, tuple[float, str, list[str]]] = {}
+def _forget_principals(generation: str | None) -> dict[Any, tuple[str, list[str]]]:
+    return {}  # each principal is read at its first decision (``principal_facts``)
+
+
+# principal id -> (username, sorted group names), as read since a user's name, a membership
+# or a group's name last changed anywhere (a trigger moves the generation: migration 0030)
+_principals = configcache.register(
+    "principals",
+    generation_sql=configcache.token_generation_sql("principals"),
+    read=_forget_principals,
+)
 
 
 def principal_facts(principal_id: Any) -> tuple[str, list[str]]:
-    """A principal's username and group names ("" and [] for none), as read within the
-    last ``POLICY_REFRESH_SECONDS``: a change of groups applies to decisions within that
-    interval (at once with 0)."""
+    """A principal's username and group names ("" and [] for none), as of this run's claim:
+    a change of groups made anywhere applies from the next claim on."""
     if principal_id is None:
         return "", []
-    from django.conf import settings
-    from django.contrib.auth import get_user_model
-    from django.contrib.auth.models import Group
+    known = _principals.get()
+    facts = known.get(principal_id)
+    if facts is None:
+        from django.contrib.auth import get_user_model
+        from django.contrib.auth.models import Group
 
-    refresh = settings.AGENTOPS["POLICY_REFRESH_SECONDS"]
-    now = time.monotonic()
-    known = _principals.get(principal_id)
-    if known is not None and refresh > 0 and now - known[0] < refresh:
-        return known[1], list(known[2])
-    user_model = get_user_model()
-    username = (
-        user_model.objects.filter(pk=principal_id)
-        .values_list(user_model.USERNAME_FIELD, flat=True)
-        .first()
-    ) or ""
-    groups = sorted(Group.objects.filter(user__pk=principal_id).values_list("name", flat=True))
-    if len(_principals) > 10_000:
-        _principals.clear()  # bounded: a process serving many principals reads them again
-    _principals[principal_id] = (now, username, groups)
-    return username, list(groups)
+        user_model = get_user_model()
+        username = (
+            user_model.objects.filter(pk=principal_id)
+            .values_list(user_model.USERNAME_FIELD, flat=True)
+            .first()
+        ) or ""
+        groups = sorted(Group.objects.filter(user__pk=principal_id).values_list("name", flat=True))
+        if len(known) > 10_000:
+            known.clear()  # bounded: a process serving many principals reads them again
+        facts = known[principal_id] = (username, groups)
+    return facts[0], list(facts[1])
 
 
 @dataclass(frozen=True)

@@ -1115,3 +1115,18 @@ class SpendStop(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} stopped by {self.counter}"
+
+
+class ConfigGeneration(models.Model):
+    """A token that changes in the same commit as a configuration the workers keep in-process
+    (``runs.record.configcache``): ``principals`` (users' names and group memberships, group
+    names) and ``policies`` (approval policy versions). Set by database triggers (migrations
+    ``runs.0030`` and ``approvals.0015``), so a change made through the Django admin,
+    ``user.groups.add()`` or raw SQL moves it as surely as one made by a service. Random, not
+    a counter: a transaction rolled back never leaves a value a later change will repeat."""
+
+    name = models.CharField(max_length=50, primary_key=True)
+    token = models.CharField(max_length=40)
+
+    def __str__(self) -> str:
+        return f"{self.name} generation {self.token}"

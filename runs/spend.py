@@ -1,5 +1,6 @@
-# size: one concern (caps, counters, reservations and their services) written in one go; to be
-# split into rules below the record and services above (tests/test_import_graph.py says why)
+# size: one concern, the spend caps' services above the record (checking and reserving in the
+# deciding and dispatching commits, cut-off requests, stopping and resuming runs, the 80 % alert,
+# the operators' services, views and metrics); the rules the record needs are runs/spendrules.py
 """Spend and token caps by scope and period (issue 26 item 3; DESIGN §9; docs/agents.md
 "Spend caps", docs/operations.md "Spend caps").
 
@@ -24,135 +25,45 @@ next one: charged to the run's usage at its maximum, and kept charged in its sco
 an operator settles it with the real usage (``spend_reservation_settle``).
 
 With no caps configured nothing here runs on the hot path: which caps exist is known
-in-process, re-read only when the claim statement reports that they changed (the generation
-rides on runs.flow's), and a tool call of an uncapped run is dispatched as before. Dry runs
-are never counted against caps.
+in-process, re-read only when the claim statement reports that they changed
+(``runs.record.configcache``), and a tool call of an uncapped run is dispatched as before.
+Dry runs are never counted against caps.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
-import zoneinfo
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import transaction
 from django.db.models import F, Q
-from django.utils import timezone
 
 from runs.errors import InvalidInput, InvalidState, NotFound
 from runs.models import Run, SpendCap, SpendCounter, SpendReservation, SpendStop
+from runs.record import configcache
 from runs.record.eventtypes import EventType
+from runs.spendrules import (
+    DAY_SCOPES,
+    EVERY_PRINCIPAL,
+    PRINCIPAL_SCOPES,
+    ZERO,
+    CapLimit,
+    Scope,
+    applies,
+    cap_of,
+    scopes_of,
+    settle,
+    today,
+)
 
 log = logging.getLogger(__name__)
 
-Scope = SpendCap.Scope
-EVERY_PRINCIPAL = "*"
-DAY_SCOPES = (Scope.PRINCIPAL_DAY, Scope.GLOBAL_DAY)
-PRINCIPAL_SCOPES = (Scope.PRINCIPAL, Scope.PRINCIPAL_DAY)
 _MAX_COST = Decimal(10**6)  # SpendCap.max_cost: 12 digits, 6 of them decimals
-_ZERO = Decimal(0)
 REASON_PREFIX = "spend cap reached: "
-
-
-@dataclass(frozen=True)
-class CapLimit:
-    max_cost: Decimal | None
-    max_tokens: int | None
-
-
-# --- which caps exist (in-process, no query on the hot path) ----------------------------------
-
-_lock = threading.Lock()
-_caps: dict[tuple[str, str], CapLimit] = {}
-_generation: str | None = None
-
-_TABLE = SpendCap._meta.db_table
-# the caps' generation, carried by the claim statement with runs.flow's (flow.GENERATION_SQL)
-GENERATION_SQL = {
-    "postgresql": (
-        f"(SELECT count(*)::text || ':' || coalesce(max(updated_at)::text, '') FROM {_TABLE})"
-    ),
-    "sqlite": f"(SELECT count(*) || ':' || coalesce(max(updated_at), '') FROM {_TABLE})",
-}
-
-
-def note_generation(generation: str | None) -> None:
-    """The claim read the caps' generation: re-read them when it changed. No rows, no
-    query."""
-    global _generation
-    if generation is None or generation == _generation:
-        return
-    with _lock:
-        caps: dict[tuple[str, str], CapLimit] = {}
-        if not generation.startswith("0:"):
-            for row in SpendCap.objects.all():
-                caps[(row.scope, row.subject)] = CapLimit(row.max_cost, row.max_tokens)
-        _caps.clear()
-        _caps.update(caps)
-        _generation = generation
-
-
-def refresh() -> None:
-    """Read the generation now (one query): for paths with no claim statement to carry it."""
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT " + GENERATION_SQL[connection.vendor])
-        note_generation(cursor.fetchone()[0])
-
-
-def active() -> bool:
-    """Whether any cap is configured (as this process last saw it)."""
-    return bool(_caps)
-
-
-def _zone() -> zoneinfo.ZoneInfo:
-    return zoneinfo.ZoneInfo(settings.AGENTOPS["SPEND_TIME_ZONE"])
-
-
-def today(now: datetime | None = None) -> str:
-    """The day caps count now: its date in the configured time zone."""
-    return (now or timezone.now()).astimezone(_zone()).date().isoformat()
-
-
-def _cap_of(scope: str, subject: str) -> CapLimit | None:
-    cap = _caps.get((scope, subject))
-    if cap is None and scope in PRINCIPAL_SCOPES:
-        cap = _caps.get((scope, EVERY_PRINCIPAL))
-    return cap
-
-
-def scopes_of(run: Run, now: datetime | None = None) -> list[tuple[str, str, str, CapLimit]]:
-    """The capped scopes a run counts in now: (scope, subject, period, cap). None for a dry
-    run or with no caps (no query)."""
-    if not _caps or run.dry_run:
-        return []
-    found = []
-    day = None
-    cap = _caps.get((Scope.AGENT, run.agent_name))
-    if cap is not None:
-        found.append((Scope.AGENT, run.agent_name, "", cap))
-    if run.principal_id is not None:
-        principal = str(run.principal_id)
-        cap = _cap_of(Scope.PRINCIPAL, principal)
-        if cap is not None:
-            found.append((Scope.PRINCIPAL, principal, "", cap))
-        cap = _cap_of(Scope.PRINCIPAL_DAY, principal)
-        if cap is not None:
-            day = day or today(now)
-            found.append((Scope.PRINCIPAL_DAY, principal, day, cap))
-    cap = _caps.get((Scope.GLOBAL_DAY, ""))
-    if cap is not None:
-        found.append((Scope.GLOBAL_DAY, "", day or today(now), cap))
-    return found
-
-
-def applies(run: Run) -> bool:
-    """Whether a cap covers this run (in-process: no query)."""
-    return bool(_caps) and bool(scopes_of(run))
 
 
 # --- checking and reserving (inside the deciding or dispatching transaction) -------------------
@@ -281,44 +192,6 @@ def reserve(
     return reservation
 
 
-def _release(counter_ids: list[int], *, reserved: tuple[Decimal, int], used: tuple[Decimal, int]):
-    """Move a settled reservation from the counters' reserved to their used."""
-    if not counter_ids:
-        return
-    SpendCounter.objects.filter(pk__in=counter_ids).update(
-        cost_reserved=F("cost_reserved") - reserved[0],
-        tokens_reserved=F("tokens_reserved") - reserved[1],
-        cost_used=F("cost_used") + used[0],
-        tokens_used=F("tokens_used") + used[1],
-    )
-
-
-def settle(cp: Any, reservation: SpendReservation, *, cost: Decimal, tokens: int, by: str) -> None:
-    """The real usage of a reserved call is known (in the commit that learns it): the
-    reservation is settled and its scopes charged with the real usage instead."""
-    reservation.state = SpendReservation.State.SETTLED
-    reservation.cost_settled = cost
-    reservation.tokens_settled = tokens
-    reservation.settled_at = timezone.now()
-    reservation.settled_by = by
-    cp.save_fields(
-        reservation, ["state", "cost_settled", "tokens_settled", "settled_at", "settled_by"]
-    )
-    _release(
-        reservation.counters, reserved=(reservation.cost, reservation.tokens), used=(cost, tokens)
-    )
-
-
-def _declared(tool_name: str) -> tuple[Decimal, int]:
-    from runs.registry import UnknownTool, registry
-
-    try:
-        tool = registry.tool(tool_name)
-    except UnknownTool:
-        return _ZERO, 0
-    return tool.max_cost or _ZERO, tool.max_tokens or 0
-
-
 def reserve_tool(cp: Any, *, run: Run, call: Any, tool: Any, fence: int) -> None:
     """The ``dispatching`` transaction of a run a cap covers: check its caps and reserve the
     tool's declared maximum (``Tool.max_cost``, ``Tool.max_tokens``). A re-dispatch of a call
@@ -330,34 +203,11 @@ def reserve_tool(cp: Any, *, run: Run, call: Any, tool: Any, fence: int) -> None
         cp,
         run=run,
         kind=SpendReservation.Kind.TOOL,
-        cost=tool.max_cost or _ZERO,
+        cost=tool.max_cost or ZERO,
         tokens=tool.max_tokens or 0,
         fence=fence,
         tool_call=call,
     )
-
-
-def settle_call(cp: Any, call: Any, *, ok: bool) -> None:
-    """A call's receipt (or its cancellation: ``ok`` False) in the commit ``cp``: its
-    reservation, if it has one, is settled — at the declared cost for a call that succeeded,
-    nothing for one that failed or never left. Only tools that declare a cost ever hold one:
-    for every other tool this costs nothing (no query)."""
-    if call.pk is None:
-        return
-    cost, tokens = _declared(call.tool_name)
-    if not (cost or tokens):
-        return
-    held = SpendReservation.objects.filter(
-        tool_call_id=call.pk, state=SpendReservation.State.HELD
-    ).first()
-    if held is not None:
-        settle(
-            cp,
-            held,
-            cost=held.cost if ok else _ZERO,
-            tokens=held.tokens if ok else 0,
-            by=cp.actor,
-        )
 
 
 def charge_reported(cp: Any, *, run: Run, cost: Any, tokens: Any) -> None:
@@ -410,8 +260,8 @@ def charge_cut_off(cp: Any, *, run: Run, fence: int) -> tuple[Decimal, int]:
         ).exclude(incarnation=fence)
     )
     if not held:
-        return _ZERO, 0
-    cost = sum((r.cost for r in held), _ZERO)
+        return ZERO, 0
+    cost = sum((r.cost for r in held), ZERO)
     tokens = sum(r.tokens for r in held)
     SpendReservation.objects.filter(pk__in=[r.pk for r in held]).update(
         state=SpendReservation.State.CUT_OFF
@@ -706,7 +556,7 @@ def spend_cap_set(
         row.set_by, row.reason = actor.label, reason
         row.save()
         _audit("spend.cap_set", actor, request, f"{scope}:{stored}", before, _cap_json(row))
-    refresh()
+    configcache.refresh()
     _resume_with_room(scope, stored, actor)
     return row
 
@@ -725,7 +575,7 @@ def spend_cap_remove(
         before = _cap_json(row)
         row.delete()
         _audit("spend.cap_removed", actor, request, f"{scope}:{stored}", before, {"reason": reason})
-    refresh()
+    configcache.refresh()
     _resume_with_room(scope, stored, actor)
     return True
 
@@ -739,7 +589,7 @@ def _resume_with_room(scope: str, stored: str, actor: Any) -> int:
     """After a cap changed: the runs it stopped whose scope now has room go on."""
     room = []
     for counter in _counters_of(scope, stored).filter(stops__isnull=False).distinct():
-        cap = _cap_of(counter.scope, counter.subject)
+        cap = cap_of(counter.scope, counter.subject)
         if cap is None or not reached(counter, cap):
             room.append(counter.pk)
     return _resume_stopped(room, actor) if room else 0
@@ -771,10 +621,10 @@ def spend_top_up(
     if stored == EVERY_PRINCIPAL:
         raise CapNotFound("a top-up is of one principal's scope: name the principal, not *")
     # nothing to add is allowed: it resumes the runs the scope stopped if it has room again
-    cost = _amount(add_cost, "add_cost") or _ZERO
+    cost = _amount(add_cost, "add_cost") or ZERO
     tokens = _tokens(add_tokens, "add_tokens") or 0
-    refresh()
-    cap = _cap_of(scope, stored)
+    configcache.refresh()
+    cap = cap_of(scope, stored)
     if cap is None:
         raise CapNotFound(f"no cap on {scope} {subject}".strip())
     period = today() if scope in DAY_SCOPES else ""
@@ -875,11 +725,11 @@ class ScopeView:
 
     @property
     def cost_used(self) -> Decimal:
-        return self._get("cost_used") or _ZERO
+        return self._get("cost_used") or ZERO
 
     @property
     def cost_reserved(self) -> Decimal:
-        return self._get("cost_reserved") or _ZERO
+        return self._get("cost_reserved") or ZERO
 
     @property
     def tokens_used(self) -> int:
@@ -893,7 +743,7 @@ class ScopeView:
     def max_cost(self) -> Decimal | None:
         if self.cap.max_cost is None:
             return None
-        return self.cap.max_cost + (self._get("cost_added") or _ZERO)
+        return self.cap.max_cost + (self._get("cost_added") or ZERO)
 
     @property
     def max_tokens(self) -> int | None:
@@ -905,7 +755,7 @@ class ScopeView:
     def cost_left(self) -> Decimal | None:
         if self.max_cost is None:
             return None
-        return max(self.max_cost - self.cost_used - self.cost_reserved, _ZERO)
+        return max(self.max_cost - self.cost_used - self.cost_reserved, ZERO)
 
     @property
     def tokens_left(self) -> int | None:

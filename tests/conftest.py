@@ -47,6 +47,17 @@ def _flush_past_the_truncate_triggers() -> None:
 _flush_past_the_truncate_triggers()
 
 
+@pytest.fixture(autouse=True)
+def _configuration_read_afresh():
+    """Each test starts as a new process does, having read none of the operators'
+    configuration (runs.record.configcache): what an earlier test's rolled-back transaction
+    configured is not remembered into the next. Within a test the production mechanism
+    holds — a change is seen at the next claim."""
+    from runs.record import configcache
+
+    configcache.forget_all()
+
+
 @pytest.fixture(scope="session")
 def sandbox_process(tmp_path_factory):
     db_path = tmp_path_factory.mktemp("sandbox") / "sandbox.sqlite3"

@@ -30,9 +30,6 @@ _FAST = {
     # the suite's sandbox runs non-deduplicating without deadline checks (tests/conftest.py):
     # the demo tools declare that its downstream honours nothing
     "AGENTOPS_SANDBOX_HONOURS": "",
-    # tests publish policies and change groups and decide at once, in this process and in
-    # workers: read them afresh each time (tests/approvals/test_policy_cache.py tests the cache)
-    "AGENTOPS_POLICY_REFRESH_SECONDS": "0",
 }
 for _key, _value in _FAST.items():
     os.environ.setdefault(_key, _value)

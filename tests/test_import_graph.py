@@ -16,23 +16,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 # Edges left in place for now, each with why: the graph without them has no circle, and each
 # must still exist (remove it here when the code no longer has it). Add none without a reason.
-KNOWN_EDGES = {
-    ("runs.flow", "runs.record.runs"): (
-        "flow control parks and wakes runs waiting for capacity through the record "
-        "(run_await_capacity, run_wake_waiting), while the record's backends read flow's "
-        "generation counter (GENERATION_SQL, note_generation) in the claim statement: that "
-        "counter belongs below the record, in flow's own split"
-    ),
-    ("runs.record.transitions", "runs.spend"): (
-        "a call's spend reservation is settled in the receipt's own commit (settle_call), "
-        "while runs.spend also holds the services above the record (caps, top-ups, alerts, "
-        "parking runs): split it into rules below the record and services above"
-    ),
-    ("runs.flow", "runs.spend"): (
-        "the claim statement reads flow's and the spend caps' generation counters as one "
-        "value (spend.GENERATION_SQL, note_generation): gone with the same split"
-    ),
-}
+KNOWN_EDGES = {}
 
 
 def _modules() -> dict[str, Path]:

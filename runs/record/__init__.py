@@ -6,4 +6,6 @@
   elsewhere.
 - ``transitions``: the moves of a step and its tool call that the engine and operators'
   services share.
+- ``configcache``: what the operators configured, kept in-process and read again when the
+  generations the claim statement returns say it changed.
 """

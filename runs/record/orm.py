@@ -13,9 +13,8 @@ from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 
 from runs import dbtime
-from runs.flow import GENERATION_SQL
-from runs.flow import note_generation as note_flow_generation
 from runs.models import Run, RunEvent
+from runs.record import configcache
 from runs.record.common import claimable, kind_filter, write_rows
 
 if TYPE_CHECKING:
@@ -112,10 +111,10 @@ def take_lease(
     if taken != 1:
         return None
     # the row the UPDATE above locked, and the database's clock, in one query
-    # ... and the operators' tool limits' generation (runs.flow): re-read only when changed
+    # ... and the configuration's generations: what changed is read again, only that
     run = Run.objects.annotate(
         db_time_at_claim=Now(),
-        flow_generation=RawSQL(GENERATION_SQL[connection.vendor], ()),
+        config_generation=RawSQL(configcache.generation_sql(connection.vendor), ()),
     ).get(id=run_id)
-    note_flow_generation(run.flow_generation)
+    configcache.note(run.config_generation)
     return run, recovered, run.db_time_at_claim

@@ -28,9 +28,8 @@ from django.db.models.fields import AutoFieldMixin
 from django.db.models.functions import Now
 
 from runs import dbtime
-from runs.flow import GENERATION_SQL
-from runs.flow import note_generation as note_flow_generation
 from runs.models import AgentManifest, Run, RunEvent
+from runs.record import configcache
 from runs.record.common import LIVE_FIELDS, link, links, write_rows
 
 if TYPE_CHECKING:
@@ -417,13 +416,10 @@ def _one_statement_sql(
     return sql, plans, [(f.attname, _converters(f), f) for f in live]
 
 
-def flow_generation_sql(vendor: str) -> str:
-    return GENERATION_SQL[vendor]
-
-
 # --- the claim (runs.engine.claim) ---------------------------------------------------------------
 
-_claim_sql: dict[bool, tuple[str, list[Any]]] = {}
+# by kind (remote or hosted) and the generations' SQL (runs.record.configcache)
+_claim_sql: dict[tuple[bool, str], tuple[str, list[Any]]] = {}
 
 
 def take_lease(
@@ -434,7 +430,8 @@ def take_lease(
     subquery locks the row and reads the status it had — ``running`` means its last holder
     never released it (recovered) — and the UPDATE applies the ORM path's conditions to that
     same, locked row; RETURNING gives the row as updated and the database's time."""
-    if remote not in _claim_sql:
+    generations = configcache.generation_sql("postgresql")
+    if (remote, generations) not in _claim_sql:
         quote = connection.ops.quote_name
         meta = Run._meta
 
@@ -462,15 +459,15 @@ def take_lease(
             f"(SELECT {quote(_field(AgentManifest, 'name').column)} FROM {manifests})) "
             f"AND (r.{col('lease_expires_at')} IS NULL OR r.{col('lease_expires_at')} < {now}) "
             f"AND (r.{col('wake_at')} IS NULL OR r.{col('wake_at')} <= {now}) "
-            # the operators' tool limits' generation (runs.flow): re-read only when changed
-            f"RETURNING old.{col('status')}, {now}, {flow_generation_sql('postgresql')}, "
+            # the configuration's generations: what changed is read again, only that
+            f"RETURNING old.{col('status')}, {now}, {generations}, "
             + ", ".join(f"r.{quote(f.column)}" for f in fields)
         )
-        _claim_sql[remote] = (
+        _claim_sql[remote, generations] = (
             sql,
             [(f.attname, _converters(f), f) for f in fields],
         )
-    sql, columns = _claim_sql[remote]
+    sql, columns = _claim_sql[remote, generations]
     params = [
         worker,
         ttl,
@@ -486,7 +483,7 @@ def take_lease(
     if row is None:
         return None
     old_status, db_time, generation, *values = row
-    note_flow_generation(generation)
+    configcache.note(generation)
     for index, (_attname, converters, model_field) in enumerate(columns):
         for converter in converters:
             values[index] = converter(values[index], model_field, connection)

@@ -12,7 +12,7 @@ from typing import Any
 from django.db.models import F
 from django.utils import timezone
 
-from runs import spend
+from runs import spendrules
 from runs.dbtime import DbNow, db_now_expression
 from runs.models import Run, Step, ToolCall, ToolReceipt
 from runs.record import machine
@@ -75,7 +75,7 @@ def record_receipt(
     )
     cp.boundary("receipt_recorded")
     # a reserved call's reservation settles with its receipt (tools that declare a cost)
-    spend.settle_call(cp, call, ok=ok)
+    spendrules.settle_call(cp, call, ok=ok)
     return receipt
 
 
@@ -133,7 +133,7 @@ def call_cancel(cp: Checkpoint, call: ToolCall, *, reason: str, **detail: Any) -
     cp.event(
         EventType.TOOL_CANCELLED, seq=call.step.seq, tool=call.tool_name, reason=reason, **detail
     )
-    spend.settle_call(cp, call, ok=False)  # it never left: nothing is charged
+    spendrules.settle_call(cp, call, ok=False)  # it never left: nothing is charged
 
 
 def call_unknown(cp: Checkpoint, call: ToolCall, error: str, *, attempt: bool = True) -> None:

@@ -13,6 +13,8 @@ from datetime import datetime
 from typing import Any, ClassVar, cast
 
 from django.conf import settings
+from django.db import connection
+from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 
 from runs import engine
@@ -20,6 +22,7 @@ from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
 from runs.errors import DomainError
 from runs.models import AgentManifest, Run, Step, ToolCall
+from runs.record import configcache
 from runs.record.checkpoint import LeaseLost, RunNotFound, checkpoint
 from runs.record.common import kind_filter
 from runs.record.runs import WAITING_FOR_PROCESS, run_lease_expired
@@ -155,10 +158,14 @@ def _held(run_id: Any, fence: int, actor: Actor, lease_token: str) -> RemoteLeas
     run = (
         Run.objects.select_related("principal")
         .filter(id=run_id, fence=fence, status=Run.Status.RUNNING, lease_expires_at__gt=Now())
+        # a remote lease is held across many requests: each reads the configuration's
+        # generations, as a claim does, in this same query
+        .annotate(config_generation=RawSQL(configcache.generation_sql(connection.vendor), ()))
         .first()
     )
     if run is None:
         raise LeaseLost(f"fence {fence} does not hold run {run_id}'s lease; claim it again")
+    configcache.note(run.config_generation)
     _prove_holder(run, fence, actor, lease_token)
     return RemoteLease(
         run=run,
