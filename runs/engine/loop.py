@@ -30,7 +30,7 @@ from runs.engine.lease import (
 )
 from runs.engine.toolcalls import _LeaseKeeper
 from runs.models import Run, SpendReservation, Step
-from runs.record import transitions
+from runs.record import configcache, transitions
 from runs.record.checkpoint import LeaseLost, checkpoint
 from runs.record.eventtypes import EventType
 from runs.record.runs import run_park, run_pause, run_release, run_terminate
@@ -170,6 +170,9 @@ def _drive_slice(lease: Lease) -> str:
     while True:
         if honour_request(lease):
             return "parked"
+        if advanced:
+            # a long slice sees a policy, a limit or a group changed meanwhile within a second
+            configcache.refresh_if_older()
         outcome = advance_once(lease)
         if outcome == Outcome.PARKED:
             return "parked"

@@ -12,13 +12,16 @@ The claim statement (``runs.record.postgres/orm.take_lease``) and a remote agent
 ``note`` compares each with what this process last saw and forgets the configurations that
 moved; the next use reads them again (``Config.get``). So a change committed anywhere is
 seen by the next claim everywhere — no interval, and no query while nothing changes. A slice
-already running keeps what its claim saw (like the principal itself, runs.engine.lease). Paths
-with no claim before them read the generations in a statement of their own (``refresh``).
+that runs on reads them again between its steps once ``SLICE_MAX_AGE_SECONDS`` have passed
+since they were last read (``refresh_if_older``: one query a second at most, none for a short
+slice), so a new policy reaches a long slice within a second. Paths with no claim before them
+read the generations in a statement of their own (``refresh``).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -31,6 +34,9 @@ T = TypeVar("T")
 
 # between the generations in the one value the claim returns (no generation contains it)
 SEPARATOR = "|"
+
+# how old the generations a running slice decides by may grow before it reads them again
+SLICE_MAX_AGE_SECONDS = 1.0
 
 
 class Config(Generic[T]):
@@ -123,10 +129,22 @@ def generation_sql(vendor: str) -> str:
 
 def note(generation: str | None) -> None:
     """A statement returned ``generation_sql``: forget what moved. No query."""
+    global _noted_at
     if generation is None:
         return
     for config, part in zip(_configs, generation.split(SEPARATOR), strict=False):
         config.note(part)
+    _noted_at = time.monotonic()
+
+
+_noted_at = 0.0
+
+
+def refresh_if_older(seconds: float = SLICE_MAX_AGE_SECONDS) -> None:
+    """Between the steps of a slice: read the generations again if the last read is older
+    than ``seconds`` (one query), else nothing."""
+    if time.monotonic() - _noted_at > seconds:
+        refresh()
 
 
 def refresh() -> None:

@@ -8,6 +8,8 @@ checked against the version in force at its consumption, never a remembered one.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
@@ -202,3 +204,31 @@ def test_a_call_that_needs_approval_asks_for_it_with_nothing_read_on_the_way(san
     run = drive(run.id)
     assert run.status == Run.Status.WAITING_APPROVAL
     assert Approval.objects.filter(run=run, status="pending").count() == 1
+
+
+def test_a_slice_that_runs_on_reads_the_generations_again_after_a_second(
+    olga, sandbox, published_elsewhere, monkeypatch
+):
+    claimed = _next_claim(olga)
+    assert _decide(claimed, 6000)[0].policy_version is None
+    version = published_elsewhere()
+    with CaptureQueriesContext(connection) as queries:
+        configcache.refresh_if_older()  # within a second of the claim: nothing is read
+    assert queries.captured_queries == []
+    assert _decide(claimed, 6000)[0].policy_version is None
+    stale = time.monotonic() - configcache.SLICE_MAX_AGE_SECONDS - 0.1
+    monkeypatch.setattr(configcache, "_noted_at", stale)
+    with CaptureQueriesContext(connection) as queries:
+        configcache.refresh_if_older()
+    assert len(queries.captured_queries) == 1  # the generations, in one query
+    verdict, _ = _decide(claimed, 6000)
+    assert verdict.needs_approval and verdict.policy_version == version.id
+
+
+def test_the_engine_looks_at_the_generations_between_the_steps_of_a_slice(refund_run, monkeypatch):
+    looked = []
+    monkeypatch.setattr(configcache, "refresh_if_older", lambda: looked.append(1))
+    run = drive(refund_run.id)
+    assert run.status == Run.Status.SUCCEEDED
+    # before every step of a slice but its first (the claim has just read them)
+    assert len(looked) >= run.steps.count() - 1 >= 1
