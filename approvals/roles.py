@@ -55,6 +55,8 @@ ROLE_PERMISSIONS: dict[str, list[str]] = {
         "runs.view_spendcounter",
         "runs.view_spendreservation",
         "runs.view_spendstop",
+        # the generations that tell workers a configuration changed (runs.record.configcache)
+        "runs.view_configgeneration",
         "approvals.view_approval",
         "approvals.view_approvaldecision",
         "approvals.view_approvallink",

@@ -1,12 +1,12 @@
 """Flow control's tables (docs/agents.md "Limits"): operators' limits, capacity, shares and
-waiters."""
+waiters; and the generations that tell the workers a configuration changed."""
 
 from __future__ import annotations
 
 from django.contrib import admin
 
 from runs.admin.base import ReadOnlyAdmin, run_link
-from runs.models import ToolCapacity, ToolLimit, ToolShare, ToolWaiter
+from runs.models import ConfigGeneration, ToolCapacity, ToolLimit, ToolShare, ToolWaiter
 
 
 @admin.register(ToolLimit)
@@ -52,3 +52,12 @@ class ToolWaiterAdmin(ReadOnlyAdmin):
     @admin.display(description="run", ordering="run_id")
     def run_column(self, obj: ToolWaiter) -> str:
         return run_link(obj.run_id)
+
+
+@admin.register(ConfigGeneration)
+class ConfigGenerationAdmin(ReadOnlyAdmin):
+    """The tokens database triggers change with the principals' groups and the published
+    policies (runs.record.configcache): each worker reads them again when a token moves."""
+
+    list_display = ["name", "token"]
+    exact_search_fields = ("name",)
