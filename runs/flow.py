@@ -213,7 +213,7 @@ def acquire(cp: Any, *, run: Run, call: ToolCall, tool_name: str, limits: Limits
             why = f"rate {limits.describe()}"
             retry_at = cap.next_token_at
         raise AtCapacity(tool_name, key, retry_at=retry_at, now=cap.now, why=why)
-    turn = _next_waiters(tool_name, key, room)
+    turn = _next_waiters(tool_name, key, room) if _anyone_waits(tool_name, key) else []
     if turn and run.id not in turn:
         raise AtCapacity(
             tool_name,
@@ -292,11 +292,13 @@ def _waited_call():
 
 def _next_waiters(tool_name: str, key: str, count: int) -> list[Any]:
     """The run ids whose turn it is for ``count`` slots."""
-    if not ToolWaiter.objects.filter(tool_name=tool_name, limit_key=key).exists():
-        # the usual case of a limit that does not bind: a plain look instead of compiling
-        # and running the fair line's window query
-        return []
     return [waiter.run_id for waiter in _line(tool_name, key)[:count]]
+
+
+def _anyone_waits(tool_name: str, key: str) -> bool:
+    """The usual case of a limit that does not bind is nobody waiting: one plain look, where
+    the fair line is a window query to compile and run."""
+    return ToolWaiter.objects.filter(tool_name=tool_name, limit_key=key).exists()
 
 
 # --- waiting and waking -----------------------------------------------------------------------
@@ -345,7 +347,7 @@ def wake(tool_name: str, key: str) -> int:
     from runs.queue import enqueue_run
     from runs.record.runs import run_wake_waiting
 
-    if not ToolWaiter.objects.filter(tool_name=tool_name, limit_key=key).exists():
+    if not _anyone_waits(tool_name, key):
         # nobody waits: nothing to lock or rank. No wake-up is lost by not looking further —
         # a waiter is listed in its own commit and wakes the line itself right after it
         # (``wait_commit``), so a waiter this statement did not see reads capacity after
