@@ -13,7 +13,6 @@ from typing import Any
 
 from django.db import connection
 from django.db.models import F
-from django.db.models.functions import Now
 
 from runs import flow, jsonlimits, spend
 from runs.dbtime import db_now, db_now_expression
@@ -30,7 +29,7 @@ from runs.engine.lease import (
 )
 from runs.gate import GateRefused, Verdict, assess, get_gate, recorded_facts
 from runs.models import Run, Step, ToolCall, ToolReceipt
-from runs.record import transitions
+from runs.record import rows, transitions
 from runs.record.checkpoint import LeaseLost, lease_expiry
 from runs.record.eventtypes import EventType
 from runs.record.runs import call_await_approval, run_release
@@ -252,28 +251,11 @@ class _NotSent(Exception):
 
 
 def presend_row(
-    call_id: Any, *, fence: int, attempt: int, holder: dict[str, Any] | None = None
+    call_id: Any, *, fence: int, attempt: int, holder: tuple[str, Any] | None = None
 ) -> tuple[Any, ...] | None:
     """The pre-send check's ONE query (hosted workers and remote agents' ``send-check``):
-    (dispatched_at, send_deadline, landing_deadline, the database's time) while the run is
-    running under ``fence`` and the call is still that fence's dispatch ``attempt`` before
-    its send deadline; None otherwise. ``holder``: further conditions on the run a remote
-    lease's holder must meet (its token's hash, its principal), checked in that same query."""
-    return (
-        ToolCall.objects.filter(
-            id=call_id,
-            status=ToolCall.Status.DISPATCHING,
-            dispatch_incarnation=fence,
-            attempt_count=attempt,
-            run__fence=fence,
-            run__status=Run.Status.RUNNING,
-            send_deadline__gt=Now(),
-            **{f"run__{name}": value for name, value in (holder or {}).items()},
-        )
-        .annotate(checked_at=Now())
-        .values_list("dispatched_at", "send_deadline", "landing_deadline", "checked_at")
-        .first()
-    )
+    ``runs.record.rows.presend_row``."""
+    return rows.presend_row(call_id, fence=fence, attempt=attempt, holder=holder)
 
 
 def _presend_check(lease: Lease, call: ToolCall, tool: Tool) -> ToolContext:

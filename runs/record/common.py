@@ -6,6 +6,7 @@ has its key; and which runs a worker (hosted) or an agent process (remote) may c
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 from typing import Any, cast
 
 from django.db import DatabaseError, models
@@ -51,12 +52,21 @@ LIVE_FIELDS = (
 )
 
 
+@cache
+def relations(model: type[models.Model]) -> tuple[RelatedField, ...]:
+    """The model's concrete foreign keys (asked at every insert of every step: once per
+    model)."""
+    return tuple(f for f in model._meta.concrete_fields if isinstance(f, RelatedField))
+
+
 def links(obj: models.Model, earlier: list[models.Model]) -> list[tuple[models.Field, int]]:
     """Foreign keys of ``obj`` that point at an object inserted before it in the same
     checkpoint: (the field, that object's index)."""
     found: list[tuple[models.Field, int]] = []
-    for model_field in obj._meta.concrete_fields:
-        if isinstance(model_field, RelatedField) and model_field.is_cached(obj):
+    if not earlier:
+        return found
+    for model_field in relations(type(obj)):
+        if model_field.is_cached(obj):
             target = model_field.get_cached_value(obj)
             for index, other in enumerate(earlier):
                 if other is target:
@@ -75,8 +85,8 @@ def link(obj: models.Model, inserts: list[models.Model]) -> None:
 def link_saved(obj: models.Model) -> None:
     """Fill in a foreign key assigned while its target was unsaved, once the target has its
     key (it was written earlier in the same checkpoint, before a read)."""
-    for model_field in obj._meta.concrete_fields:
-        if isinstance(model_field, RelatedField) and model_field.is_cached(obj):
+    for model_field in relations(type(obj)):
+        if model_field.is_cached(obj):
             target = model_field.get_cached_value(obj)
             unset = getattr(obj, model_field.attname) is None
             if unset and target is not None and target.pk is not None:

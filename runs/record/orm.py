@@ -13,7 +13,7 @@ from django.db.models.expressions import RawSQL
 from django.db.models.functions import Now
 
 from runs import dbtime
-from runs.models import Run, RunEvent
+from runs.models import AgentManifest, Run, RunEvent, ToolCall
 from runs.record import configcache
 from runs.record.common import claimable, kind_filter, write_rows
 
@@ -51,6 +51,35 @@ def lock(run_id: Any, fence: int | None, fields: tuple[str, ...]) -> Run | None:
     if fence is not None:
         query = query.filter(fence=fence)
     return query.first()
+
+
+def presend_row(
+    call_id: Any, fence: int, attempt: int, holder: tuple[str, Any] | None
+) -> tuple[Any, ...] | None:
+    """``runs.record.rows.presend_row`` through the ORM."""
+    conditions: dict[str, Any] = {}
+    if holder is not None:
+        token_hash, user_id = holder
+        conditions = {
+            "run__lease_token_hash": token_hash,
+            "run__lease_holder": user_id,
+            "run__agent_name__in": AgentManifest.objects.filter(owner_id=user_id).values("name"),
+        }
+    return (
+        ToolCall.objects.filter(
+            id=call_id,
+            status=ToolCall.Status.DISPATCHING,
+            dispatch_incarnation=fence,
+            attempt_count=attempt,
+            run__fence=fence,
+            run__status=Run.Status.RUNNING,
+            send_deadline__gt=Now(),
+            **conditions,
+        )
+        .annotate(checked_at=Now())
+        .values_list("dispatched_at", "send_deadline", "landing_deadline", "checked_at")
+        .first()
+    )
 
 
 def flush(

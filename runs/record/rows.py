@@ -36,3 +36,15 @@ def update(model: type[models.Model], pk: Any, **values: Any) -> int:
 
 def save_fields(obj: models.Model, fields: list[str]) -> None:
     backend().save_fields(obj, fields)
+
+
+def presend_row(
+    call_id: Any, *, fence: int, attempt: int, holder: tuple[str, Any] | None = None
+) -> tuple[Any, ...] | None:
+    """The pre-send check's ONE query (DESIGN §9; hosted workers and remote agents'
+    ``send-check``): (dispatched_at, send_deadline, landing_deadline, the database's time)
+    while the run is running under ``fence`` and the call is still that fence's dispatch
+    ``attempt`` before its send deadline; None otherwise. ``holder``: a remote lease's
+    (token hash, principal's user id) — the run's lease must be that token's and that
+    principal's, and the run's agent one the principal owns, in that same query."""
+    return backend().presend_row(call_id, fence, attempt, holder)

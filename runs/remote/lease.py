@@ -21,7 +21,7 @@ from runs import engine
 from runs.actors import DRIVE_REMOTE_RUN, Actor
 from runs.dbtime import db_now
 from runs.errors import DomainError
-from runs.models import AgentManifest, Run, Step, ToolCall
+from runs.models import Run, Step, ToolCall
 from runs.record import configcache
 from runs.record.checkpoint import LeaseLost, RunNotFound, checkpoint
 from runs.record.common import kind_filter
@@ -98,15 +98,11 @@ def _token_matches(run: Run, lease_token: str) -> bool:
     )
 
 
-def holder_conditions(actor: Actor, lease_token: str) -> dict[str, Any]:
+def holder_conditions(actor: Actor, lease_token: str) -> tuple[str, Any]:
     """``_prove_holder`` and ``require_driver``'s ownership as conditions on the run's row,
-    for a check that must be one query (the pre-send check)."""
-    user_id = getattr(actor.user, "pk", None)
-    return {
-        "lease_token_hash": token_hash(lease_token or ""),
-        "lease_holder": user_id,
-        "agent_name__in": AgentManifest.objects.filter(owner_id=user_id).values("name"),
-    }
+    for a check that must be one query (the pre-send check): the token's hash and the
+    principal's user id (``runs.record.rows.presend_row``)."""
+    return token_hash(lease_token or ""), getattr(actor.user, "pk", None)
 
 
 def _prove_holder(run: Run, fence: int, actor: Actor, lease_token: str) -> None:
