@@ -23,7 +23,7 @@ from django.utils import timezone
 
 from runs.actors import Actor
 from runs.audit.retention import prune_candidates, prune_counts, run_archive_record, run_prune
-from runs.management.archive import archive_directory
+from runs.management.options import archive_directory
 
 UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 # shorter than this is almost certainly a typo (``90m`` for ``90d``), not a retention policy

@@ -20,7 +20,7 @@ from django.utils import timezone
 from runs.actors import Actor
 from runs.audit.retention import MonthState, archive_month, drop_month, month_states, parse_month
 from runs.errors import DomainError
-from runs.management.archive import archive_directory
+from runs.management.options import archive_directory
 
 
 class Command(BaseCommand):
