@@ -21,12 +21,15 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runs import jsonlimits
 from runs.masking import UNMASKED, Masker
 from runs.record.eventtypes import EventType
 from runs.registry import call_summary
+
+if TYPE_CHECKING:
+    from runs.models import RunEvent
 
 # Every event type the record holds (runs.record.eventtypes): the admin's filter and the
 # console's event search offer these
@@ -84,6 +87,22 @@ class Entry:
     # the step a ``step.decided`` names (with its tool call and receipt), when loaded
     step: Any = None
     by_person: bool = False
+
+    @classmethod
+    def of(cls, event: RunEvent, payload: Mapping[str, Any], *, step: Any = None) -> Entry:
+        """``event``'s line, showing ``payload`` (its payload, masked for the reader)."""
+        return cls(
+            seq=event.seq,
+            type=event.type,
+            actor=event.actor,
+            channel=event.channel,
+            at=event.created_at,
+            incarnation=event.incarnation,
+            text=describe(event.type, payload, event.actor),
+            payload=payload,
+            step=step,
+            by_person=event.actor.startswith("user:"),
+        )
 
     @property
     def payload_json(self) -> str:
@@ -405,17 +424,10 @@ def build(
         worker = _worker_of(event.actor)
         if since_claim is not None and event.type != EventType.RUN_CLAIMED:
             since_claim.append(event.type)
-        entry = Entry(
-            seq=event.seq,
-            type=event.type,
-            actor=event.actor,
-            channel=event.channel,
-            at=event.created_at,
-            incarnation=event.incarnation,
-            text=describe(event.type, payload, event.actor),
-            payload=payload,
+        entry = Entry.of(
+            event,
+            payload,
             step=steps.get(raw.get("seq")) if event.type == EventType.STEP_DECIDED else None,
-            by_person=event.actor.startswith("user:"),
         )
         if event.type == EventType.RUN_CLAIMED:
             if current is not None and not current.closed:
@@ -549,17 +561,5 @@ def reconciliation_history(
         if not isinstance(seq, int):
             continue
         payload = masks[event.run_id](event.payload)
-        history.setdefault((event.run_id, seq), []).append(
-            Entry(
-                seq=event.seq,
-                type=event.type,
-                actor=event.actor,
-                channel=event.channel,
-                at=event.created_at,
-                incarnation=event.incarnation,
-                text=describe(event.type, payload, event.actor),
-                payload=payload,
-                by_person=event.actor.startswith("user:"),
-            )
-        )
+        history.setdefault((event.run_id, seq), []).append(Entry.of(event, payload))
     return history

@@ -27,8 +27,9 @@ from typing import Any
 
 import httpx
 
-from agentops.client import BadPauseSpec, Client, Found, OutcomeUnknown, ToolContext, ToolFailed
+from agentops.client import Client, Found, OutcomeUnknown, ToolContext, ToolFailed
 from agentops.client.mcp import serve
+from agentops.demo.cli import demo_main, demo_parser, say
 from agentops.demo.remote_agent import MANIFEST as REFUNDER
 
 NAME = "mcp_refunder"
@@ -39,10 +40,6 @@ MANIFEST: dict[str, Any] = {
     "input_schema": {"type": "object"},
     "tools": REFUNDER["tools"],
 }
-
-
-def say(message: str) -> None:
-    print(message, flush=True)
 
 
 def refund_tools(
@@ -81,32 +78,14 @@ def refund_tools(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default=os.environ.get("AGENTOPS_URL", "http://127.0.0.1:8000"))
-    parser.add_argument("--sandbox", default=os.environ.get("SANDBOX_URL", "http://127.0.0.1:8765"))
-    parser.add_argument("--register", action="store_true", help="register the manifest and exit")
-    parser.add_argument("--agent-account", help="with --register: who drives the agent's runs")
+    parser = demo_parser(__doc__.splitlines()[0])
     parser.add_argument("--owner", default=f"{socket.gethostname()}:{os.getpid()}")
     parser.add_argument("--idle", type=float, default=3600.0, help="a run with no call ends")
     parser.add_argument("--poll", type=float, default=0.5, help="seconds between looks")
     parser.add_argument("--hold-after-tool", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    token = os.environ.get("AGENTOPS_TOKEN")
-    if not token:
-        parser.error("set AGENTOPS_TOKEN")
-    try:
-        client = Client(args.url, token)
-    except BadPauseSpec as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    with client:
-        if args.register:
-            manifest = dict(MANIFEST)
-            if args.agent_account:
-                manifest["owner"] = args.agent_account
-            client.register_agent(NAME, manifest)
-            say(f"registered {NAME}")
-            return 0
+
+    def serve_calls(client: Client) -> int:
         tools, lookups = refund_tools(args.sandbox, hold_after_tool=args.hold_after_tool)
         say("serving")
         serve(
@@ -119,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             owner=args.owner,
             say=say,
         )
-    return 0
+        return 0
+
+    return demo_main(parser, args, name=NAME, manifest=MANIFEST, work=serve_calls)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from typing import Any
 import httpx
 
 from agentops.client import (
-    BadPauseSpec,
     Client,
     Executed,
     Found,
@@ -39,6 +38,7 @@ from agentops.client import (
     ToolContext,
     ToolFailed,
 )
+from agentops.demo.cli import demo_main, demo_parser, say
 
 NAME = "remote_refunder"
 MANIFEST: dict[str, Any] = {
@@ -75,10 +75,6 @@ MANIFEST: dict[str, Any] = {
         }
     ],
 }
-
-
-def say(message: str) -> None:
-    print(message, flush=True)
 
 
 class Refunder:
@@ -199,35 +195,14 @@ class Refunder:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--url", default=os.environ.get("AGENTOPS_URL", "http://127.0.0.1:8000"))
-    parser.add_argument("--sandbox", default=os.environ.get("SANDBOX_URL", "http://127.0.0.1:8765"))
-    parser.add_argument("--register", action="store_true", help="register the manifest and exit")
-    parser.add_argument(
-        "--agent-account",
-        help="with --register: the username (agent role) whose tokens drive the agent's runs",
-    )
+    parser = demo_parser(__doc__.splitlines()[0])
     parser.add_argument("--run", help="the run to advance")
     parser.add_argument("--owner", default=f"{socket.gethostname()}:{os.getpid()}")
     parser.add_argument("--wait", type=float, default=60.0, help="wait this long for the lease")
     parser.add_argument("--hold-after-tool", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    token = os.environ.get("AGENTOPS_TOKEN")
-    if not token:
-        parser.error("set AGENTOPS_TOKEN")
-    try:
-        client = Client(args.url, token)
-    except BadPauseSpec as exc:
-        print(exc, file=sys.stderr)
-        return 2
-    with client:
-        if args.register:
-            manifest = dict(MANIFEST)
-            if args.agent_account:
-                manifest["owner"] = args.agent_account
-            client.register_agent(NAME, manifest)
-            say(f"registered {NAME}")
-            return 0
+
+    def advance(client: Client) -> int:
         if not args.run:
             parser.error("--run is required")
         run = client.lease_when_free(args.run, owner=args.owner, wait=args.wait)
@@ -241,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
             say(f"lease lost: {exc.detail}")
             return 3
         say(outcome)
-    return 0
+        return 0
+
+    return demo_main(parser, args, name=NAME, manifest=MANIFEST, work=advance)
 
 
 if __name__ == "__main__":

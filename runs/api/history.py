@@ -7,14 +7,21 @@ from typing import Any
 
 from django.conf import settings
 from drf_spectacular.utils import OpenApiResponse, extend_schema
-from rest_framework import serializers, status
+from rest_framework import serializers
 from rest_framework.response import Response
 from rest_framework.reverse import reverse
 from rest_framework.views import APIView
 
 from runs import remote
 from runs.api.common import QueryParamsSerializer, actor_for, errors
-from runs.api.remote.common import MAX_SEQ, FenceSerializer, json_value, lease_proof, request_data
+from runs.api.remote.common import (
+    MAX_SEQ,
+    FenceSerializer,
+    json_value,
+    lease_proof,
+    recorded_response,
+    request_data,
+)
 
 # --- POST /runs/{id}/state/ ---------------------------------------------------------------------
 
@@ -244,5 +251,6 @@ class MessagesApi(APIView):
             messages=data["messages"],
             after_seq=data["after_seq"],
         )
-        code = status.HTTP_200_OK if appended.replayed else status.HTTP_201_CREATED
-        return Response(MessagesAppendedSerializer(appended).data, status=code)
+        return recorded_response(
+            MessagesAppendedSerializer(appended).data, replayed=appended.replayed
+        )

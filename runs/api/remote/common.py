@@ -47,7 +47,7 @@ def request_data(serializer: type[serializers.Serializer], request) -> dict[str,
 
 def recorded_response(body: Any, *, replayed: bool) -> Response:
     """201 for what this request recorded; 200 for a retry answered with what its first
-    attempt recorded (a step, a proposal, a wait)."""
+    attempt recorded (a step, a proposal, a wait, an append to the history)."""
     return Response(body, status=status.HTTP_200_OK if replayed else status.HTTP_201_CREATED)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 from rest_framework.response import Response
@@ -11,6 +13,7 @@ from runs import remote
 from runs.api.common import actor_for, errors
 from runs.api.remote.common import DRY_RUN_HELP, FenceSerializer, lease_proof, request_data
 from runs.api.remote.resume import ResumeSerializer
+from runs.models import Run
 
 
 class LeaseInputSerializer(serializers.Serializer):
@@ -68,39 +71,34 @@ class LeaseApi(APIView):
         return Response(LeaseSerializer(grant).data)
 
 
+# heartbeat and release: the holder's proof in, the lease as it now stands out
+LEASE_STATUS_RESPONSES = {
+    200: LeaseStatusSerializer,
+    **errors("validation_error", "not_found", "invalid_state", "lease_lost", "lease_not_yours"),
+}
+
+
+def lease_status_response(service: Callable[..., Run], request, run_id) -> Response:
+    data = request_data(FenceSerializer, request)
+    run = service(run_id=run_id, **lease_proof(data), actor=actor_for(request))
+    return Response(LeaseStatusSerializer(run).data)
+
+
 class LeaseHeartbeatApi(APIView):
     @extend_schema(
         summary="Extend the lease (send well within its time to live)",
         request=FenceSerializer,
-        responses={
-            200: LeaseStatusSerializer,
-            **errors(
-                "validation_error", "not_found", "invalid_state", "lease_lost", "lease_not_yours"
-            ),
-        },
+        responses=LEASE_STATUS_RESPONSES,
     )
     def post(self, request, run_id):
-        data = request_data(FenceSerializer, request)
-        run = remote.remote_lease_heartbeat(
-            run_id=run_id, **lease_proof(data), actor=actor_for(request)
-        )
-        return Response(LeaseStatusSerializer(run).data)
+        return lease_status_response(remote.remote_lease_heartbeat, request, run_id)
 
 
 class LeaseReleaseApi(APIView):
     @extend_schema(
         summary="Give the lease back (the run waits for an agent process)",
         request=FenceSerializer,
-        responses={
-            200: LeaseStatusSerializer,
-            **errors(
-                "validation_error", "not_found", "invalid_state", "lease_lost", "lease_not_yours"
-            ),
-        },
+        responses=LEASE_STATUS_RESPONSES,
     )
     def post(self, request, run_id):
-        data = request_data(FenceSerializer, request)
-        run = remote.remote_lease_release(
-            run_id=run_id, **lease_proof(data), actor=actor_for(request)
-        )
-        return Response(LeaseStatusSerializer(run).data)
+        return lease_status_response(remote.remote_lease_release, request, run_id)

@@ -11,7 +11,6 @@ matches its ``payload_digest``; the chain (``prev_hash`` / ``hash``) is over the
 
 from __future__ import annotations
 
-import uuid
 from datetime import datetime, time
 
 from django.core.management.base import BaseCommand, CommandError
@@ -28,8 +27,8 @@ from runs.audit.export import (
     jsonl_lines,
     keyset_iterate,
 )
+from runs.management.options import existing_run_id
 from runs.masking import masked_rows
-from runs.models import Run
 
 
 def parse_moment(option: str, value: str) -> datetime:
@@ -80,12 +79,7 @@ class Command(BaseCommand):
             raise CommandError("--chunk-size must be at least 1")
         run_id = None
         if options["run"]:
-            try:
-                run_id = uuid.UUID(options["run"])
-            except ValueError:
-                raise CommandError(f"--run {options['run']!r} is not a run id") from None
-            if not Run.objects.filter(id=run_id).exists():
-                raise CommandError(f"run {run_id} does not exist")
+            run_id = existing_run_id(options["run"])
         events = events_for_export(since=since, until=until, run_id=run_id, types=options["type"])
         events = masked_rows(
             keyset_iterate(events, chunk_size=options["chunk_size"]),

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import uuid
 from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
@@ -29,6 +28,7 @@ from runs.audit.heads import chain_head, head_problems
 from runs.audit.retention import verify_export
 from runs.audit.run_chains import verified_head_gone, verify_all
 from runs.errors import DomainError, InvalidInput
+from runs.management.options import existing_run_id
 from runs.models import Run
 
 
@@ -89,12 +89,7 @@ class Command(BaseCommand):
             return
         run_ids = None
         if options["run"]:
-            try:
-                run_id = uuid.UUID(options["run"])
-            except ValueError:
-                raise CommandError(f"--run {options['run']!r} is not a run id") from None
-            if not Run.objects.filter(id=run_id).exists():
-                raise CommandError(f"run {run_id} does not exist")
+            run_id = existing_run_id(options["run"])
             run_ids = [run_id]
         expected_head = options["audit_head"]
         if expected_head is not None:

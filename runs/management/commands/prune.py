@@ -23,6 +23,7 @@ from django.utils import timezone
 
 from runs.actors import Actor
 from runs.audit.retention import prune_candidates, prune_counts, run_archive_record, run_prune
+from runs.management.options import archive_directory
 
 UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
 # shorter than this is almost certainly a typo (``90m`` for ``90d``), not a retention policy
@@ -137,14 +138,6 @@ class Command(BaseCommand):
         )
 
     def _open_archive(self, archive_dir: str) -> Path:
-        directory = Path(archive_dir)
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CommandError(
-                f"cannot create archive directory {directory}: {exc.strerror}"
-            ) from None
-        if not os.access(directory, os.W_OK):
-            raise CommandError(f"archive directory {directory} is not writable")
+        directory = archive_directory(archive_dir)
         stamp = timezone.now().strftime("%Y%m%dT%H%M%S%fZ")
         return directory / f"agentops-prune-{stamp}.jsonl"

@@ -11,7 +11,6 @@ chain that remains. Without ``--archive`` or ``--drop`` it only reports each mon
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 from django.core.management.base import BaseCommand, CommandError
@@ -21,6 +20,7 @@ from django.utils import timezone
 from runs.actors import Actor
 from runs.audit.retention import MonthState, archive_month, drop_month, month_states, parse_month
 from runs.errors import DomainError
+from runs.management.options import archive_directory
 
 
 class Command(BaseCommand):
@@ -57,7 +57,7 @@ class Command(BaseCommand):
                 f"--before {options['before']}: runs of the current month are still being "
                 "created; at most the current month"
             )
-        directory = self._directory(options["archive"]) if options["archive"] else None
+        directory = archive_directory(options["archive"]) if options["archive"] else None
         actor = Actor.system("cli")
         try:
             for state in month_states(before):
@@ -101,15 +101,3 @@ class Command(BaseCommand):
             self.stdout.write(
                 f"{state.label}: dropped {summary['events']} events of {summary['runs']} run(s)"
             )
-
-    def _directory(self, value: str) -> Path:
-        directory = Path(value)
-        try:
-            directory.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CommandError(
-                f"cannot create archive directory {directory}: {exc.strerror}"
-            ) from None
-        if not os.access(directory, os.W_OK):
-            raise CommandError(f"archive directory {directory} is not writable")
-        return directory
