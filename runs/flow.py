@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -473,6 +475,34 @@ def join_line(run: Run, full: AtCapacity) -> None:
     )
 
 
+# the runs this task process woke for a slot free now (``handing_over``): advanced by this
+# same process right after its slice, rather than after a queue's poll and another claim
+_handed_over: dict[Any, None] | None = None
+
+
+@contextmanager
+def handing_over() -> Iterator[None]:
+    """Inside a task (``runs.tasks.advance_run``): remember the runs ``wake`` woke for a
+    free slot, for ``take_handed_over``. Each is still enqueued as usual (another worker may
+    take it first — its claim then finds the lease taken — and a process that dies here
+    loses nothing)."""
+    global _handed_over
+    _handed_over = {}
+    try:
+        yield
+    finally:
+        _handed_over = None
+
+
+def take_handed_over() -> Any:
+    """The oldest run this task woke and has not advanced yet (None: none)."""
+    if not _handed_over:
+        return None
+    run_id = next(iter(_handed_over))
+    del _handed_over[run_id]
+    return run_id
+
+
 def wake(tool_name: str, key: str) -> int:
     """Wake the waiters whose turn it is, as many as there is room for now (or, for a rate,
     at the times its next tokens come). Holds no lock: each waiter's ``wake_at`` is brought
@@ -516,6 +546,8 @@ def wake(tool_name: str, key: str) -> int:
             woken += 1
             if at is None:
                 enqueue_run(run_id)
+                if _handed_over is not None:
+                    _handed_over[run_id] = None
     return woken
 
 
