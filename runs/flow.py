@@ -23,13 +23,16 @@ rows are re-read only when the claim statement reports that they changed
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import Exists, F, OuterRef, Subquery, Value, Window
 from django.db.models.functions import Coalesce, Now, RowNumber
 
@@ -53,6 +56,8 @@ log = logging.getLogger(__name__)
 FALLBACK_SECONDS = 30.0
 WAITING_PREFIX = "waiting for capacity on "
 _IN_LINE = (Run.Status.QUEUED, Run.Status.RUNNING)
+# a call in one of these holds a slot until its landing deadline
+_HOLDING = (ToolCall.Status.DISPATCHING, ToolCall.Status.UNKNOWN)
 
 
 # --- which tools are limited (in-process, no query on the hot path) ---------------------------
@@ -126,12 +131,17 @@ class AtCapacity(DomainError):
 
 @dataclass
 class _Capacity:
-    row: ToolCapacity
+    pk: int  # the ToolCapacity row's, locked by this transaction
+    grants: int
+    tat: datetime | None
     now: datetime
     in_flight: int
     free: int  # slots free (a large number with no concurrency limit)
     tokens: int  # calls the rate allows now (a large number with no rate)
     next_token_at: datetime  # when the rate allows the next call after those
+    anyone_waits: bool  # a ToolWaiter of this limit exists
+    run_waits: bool  # the run asked about has a ToolWaiter (of any limit)
+    share_pk: int | None  # the run's principal's ToolShare row of this limit, if any
 
 
 def share_of(run: Run) -> str:
@@ -139,18 +149,23 @@ def share_of(run: Run) -> str:
     return f"user:{run.principal_id}" if run.principal_id is not None else ""
 
 
+def _key_value(limits: Limits, key: str, arguments: Any) -> Any:
+    """The argument's JSON value a keyed limit counts by (a number stays a number)."""
+    return arguments.get(limits.key_argument) if isinstance(arguments, dict) else key
+
+
 def _holding(tool_name: str, limits: Limits, key: str, arguments: Any, now: Any):
     """Calls of the tool (with this key) that hold a slot: dispatched, no receipt yet, and
     their landing deadline still ahead (``now``: the database's clock)."""
     query = ToolCall.objects.filter(
         tool_name=tool_name,
-        status__in=(ToolCall.Status.DISPATCHING, ToolCall.Status.UNKNOWN),
+        status__in=_HOLDING,
         landing_deadline__gt=now if now is not None else Now(),
     )
     if limits.key_argument:
-        # by the argument's JSON value (a number stays a number)
-        value = arguments.get(limits.key_argument) if isinstance(arguments, dict) else key
-        query = query.filter(**{f"arguments__{limits.key_argument}": value})
+        query = query.filter(
+            **{f"arguments__{limits.key_argument}": _key_value(limits, key, arguments)}
+        )
     return query
 
 
@@ -158,27 +173,140 @@ def in_flight(tool_name: str, limits: Limits, key: str = "", now: Any = None) ->
     return _holding(tool_name, limits, key, None, now).count()
 
 
-def _capacity(tool_name: str, limits: Limits, key: str, arguments: Any = None) -> _Capacity:
-    """Lock the tool's capacity row (created at its first use) and read what is free."""
-    ToolCapacity.objects.bulk_create(
-        [ToolCapacity(tool_name=tool_name, limit_key=key)], ignore_conflicts=True
-    )
-    row = (
-        ToolCapacity.objects.select_for_update()
-        .annotate(db_now=Now())
-        .get(tool_name=tool_name, limit_key=key)
-    )
-    now = row.db_now
+def _capacity(
+    tool_name: str,
+    limits: Limits,
+    key: str,
+    arguments: Any = None,
+    *,
+    run_id: Any = None,
+    share: str | None = None,
+) -> _Capacity:
+    """Lock the tool's capacity row (created at its first use) and read what is free, who
+    waits, and (``run_id``, ``share``) whether that run waits and its principal's share row.
+
+    Two statements on PostgreSQL, in this order for a reason: the first upserts and locks
+    the row; the second counts the calls in flight in a snapshot taken AFTER the lock was
+    granted (READ COMMITTED: each statement sees what committed before it began), so it
+    sees the dispatch of whoever held the lock before — counting in the locking statement
+    itself would read a snapshot from before the wait and could give one slot twice."""
+    if connection.vendor == "postgresql":
+        pk, grants, tat, now = _lock_row_sql(tool_name, key)
+        busy, anyone, mine, share_pk = _look_sql(
+            tool_name, limits, key, arguments, now, run_id=run_id, share=share
+        )
+    else:
+        ToolCapacity.objects.bulk_create(
+            [ToolCapacity(tool_name=tool_name, limit_key=key)], ignore_conflicts=True
+        )
+        row = (
+            ToolCapacity.objects.select_for_update()
+            .annotate(db_now=Now())
+            .get(tool_name=tool_name, limit_key=key)
+        )
+        pk, grants, tat, now = row.pk, row.grants, row.tat, row.db_now
+        busy = 0
+        if limits.max_in_flight is not None:
+            busy = _holding(tool_name, limits, key, arguments, now).count()
+        anyone = _anyone_waits(tool_name, key)
+        mine = run_id is not None and ToolWaiter.objects.filter(run_id=run_id).exists()
+        share_pk = None
+        if share is not None:
+            share_pk = (
+                ToolShare.objects.filter(tool_name=tool_name, limit_key=key, share=share)
+                .values_list("pk", flat=True)
+                .first()
+            )
     many = 1 << 30
-    busy = 0
     free = many
     if limits.max_in_flight is not None:
-        busy = _holding(tool_name, limits, key, arguments, now).count()
         free = max(limits.max_in_flight - busy, 0)
     tokens, next_token_at = many, now
     if limits.rate is not None:
-        tokens, next_token_at = _gcra_tokens(row.tat, now, limits)
-    return _Capacity(row, now, busy, free, tokens, next_token_at)
+        tokens, next_token_at = _gcra_tokens(tat, now, limits)
+    return _Capacity(
+        pk, grants, tat, now, busy, free, tokens, next_token_at, anyone, mine, share_pk
+    )
+
+
+# literal SQL of the capacity statements on PostgreSQL, by shape (built once per process)
+_sql: dict[Any, str] = {}
+
+
+def _quote(name: str) -> str:
+    return connection.ops.quote_name(name)
+
+
+def _table(model: Any) -> str:
+    return _quote(model._meta.db_table)
+
+
+def _column(model: Any, name: str) -> str:
+    return _quote(model._meta.get_field(name).column)
+
+
+def _lock_row_sql(tool_name: str, key: str) -> tuple[int, int, datetime | None, datetime]:
+    """ONE statement: the capacity row inserted at the limit's first use, else locked (a
+    no-op ``DO UPDATE`` locks the row as ``SELECT … FOR UPDATE`` would); returns its id,
+    grants, rate state and the database's time."""
+    if "lock" not in _sql:
+        table = _table(ToolCapacity)
+        tool, limit_key, grants = (
+            _column(ToolCapacity, name) for name in ("tool_name", "limit_key", "grants")
+        )
+        _sql["lock"] = (
+            f"INSERT INTO {table} ({tool}, {limit_key}, {grants}) VALUES (%s, %s, 0) "
+            f"ON CONFLICT ({tool}, {limit_key}) DO UPDATE SET {grants} = {table}.{grants} "
+            f"RETURNING {_column(ToolCapacity, 'id')}, {grants}, "
+            f"{_column(ToolCapacity, 'tat')}, STATEMENT_TIMESTAMP()"
+        )
+    with connection.cursor() as cursor:
+        cursor.execute(_sql["lock"], [tool_name, key])
+        pk, grants, tat, now = cursor.fetchone()
+    return pk, grants, tat, now
+
+
+def _look_sql(
+    tool_name: str,
+    limits: Limits,
+    key: str,
+    arguments: Any,
+    now: datetime,
+    *,
+    run_id: Any,
+    share: str | None,
+) -> tuple[int, bool, bool, int | None]:
+    """ONE statement, after the lock: the calls holding a slot (``_holding``), whether
+    anyone waits for this limit, whether ``run_id`` waits, and ``share``'s row."""
+    keyed = bool(limits.key_argument)
+    shape = ("look", keyed)
+    if shape not in _sql:
+        calls, waiters, shares = _table(ToolCall), _table(ToolWaiter), _table(ToolShare)
+        held = (
+            f"SELECT count(*) FROM {calls} WHERE {_column(ToolCall, 'tool_name')} = %s "
+            f"AND {_column(ToolCall, 'status')} IN (%s, %s) "
+            f"AND {_column(ToolCall, 'landing_deadline')} > %s"
+        )
+        if keyed:
+            # as the ORM's ``arguments__<key>=value``: the argument's JSON value
+            held += f" AND ({_column(ToolCall, 'arguments')} -> %s) = %s::jsonb"
+        waiter_tool, waiter_key = (_column(ToolWaiter, name) for name in ("tool_name", "limit_key"))
+        _sql[shape] = (
+            f"SELECT ({held}), "
+            f"EXISTS (SELECT 1 FROM {waiters} WHERE {waiter_tool} = %s AND {waiter_key} = %s), "
+            f"EXISTS (SELECT 1 FROM {waiters} WHERE {_column(ToolWaiter, 'run')} = %s), "
+            f"(SELECT {_column(ToolShare, 'id')} FROM {shares} "
+            f"WHERE {_column(ToolShare, 'tool_name')} = %s "
+            f"AND {_column(ToolShare, 'limit_key')} = %s AND {_column(ToolShare, 'share')} = %s)"
+        )
+    params: list[Any] = [tool_name, *(status.value for status in _HOLDING), now]
+    if keyed:
+        params += [limits.key_argument, json.dumps(_key_value(limits, key, arguments))]
+    params += [tool_name, key, run_id, tool_name, key, share]
+    with connection.cursor() as cursor:
+        cursor.execute(_sql[shape], params)
+        busy, anyone, mine, share_pk = cursor.fetchone()
+    return busy, bool(anyone), bool(mine), share_pk
 
 
 def _gcra_tokens(tat: datetime | None, now: datetime, limits: Limits) -> tuple[int, datetime]:
@@ -196,14 +324,20 @@ def _gcra_tokens(tat: datetime | None, now: datetime, limits: Limits) -> tuple[i
 
 def acquire(cp: Any, *, run: Run, call: ToolCall, tool_name: str, limits: Limits) -> None:
     """In the ``dispatching`` transaction, before the call moves: take a slot (and a token),
-    or raise ``AtCapacity`` (the transaction is rolled back by the caller's checkpoint).
-    Waiters go first, in fair order: a call that finds room while others wait for it
-    waits its turn (and the ones whose turn it is are woken)."""
+    or raise ``AtCapacity`` having written nothing but the capacity row's first insert (the
+    caller rolls back, or records the wait in the same commit). Waiters go first, in fair
+    order: a call that finds room while others wait for it waits its turn (and the ones
+    whose turn it is are woken).
+
+    A limit that does not bind costs two statements here (lock, look); the grant itself is
+    written by the checkpoint's own statement (``cp.update_row``), and the waiter and share
+    rows are touched only when there is something to change."""
     # the run is locked first (the checkpoint's transaction begins here): the capacity
-    # row's upsert below opens a transaction of its own (bulk_create)
+    # row's upsert below must not open a transaction of its own before it
     cp.lock()
     key = limits.key_of(call.arguments)
-    cap = _capacity(tool_name, limits, key, call.arguments)
+    share = share_of(run)
+    cap = _capacity(tool_name, limits, key, call.arguments, run_id=run.id, share=share)
     room = min(cap.free, cap.tokens)
     if room <= 0:
         if cap.free <= 0:
@@ -213,7 +347,7 @@ def acquire(cp: Any, *, run: Run, call: ToolCall, tool_name: str, limits: Limits
             why = f"rate {limits.describe()}"
             retry_at = cap.next_token_at
         raise AtCapacity(tool_name, key, retry_at=retry_at, now=cap.now, why=why)
-    turn = _next_waiters(tool_name, key, room) if _anyone_waits(tool_name, key) else []
+    turn = _next_waiters(tool_name, key, room) if cap.anyone_waits else []
     if turn and run.id not in turn:
         raise AtCapacity(
             tool_name,
@@ -222,28 +356,29 @@ def acquire(cp: Any, *, run: Run, call: ToolCall, tool_name: str, limits: Limits
             now=cap.now,
             why=f"{len(turn)} waiting run(s) go first (fair share)",
         )
-    # a slot and a token: the call is dispatched in this transaction
-    row = cap.row
-    row.grants += 1
+    # a slot and a token: the call is dispatched in this transaction, and the grant is
+    # written with it (the capacity row stays locked until that commit)
+    grants = cap.grants + 1
+    tat = cap.tat
     if limits.rate is not None:
-        interval = timedelta(seconds=limits.interval)
-        row.tat = max(row.tat or cap.now, cap.now) + interval
-    ToolCapacity.objects.filter(pk=row.pk).update(grants=row.grants, tat=row.tat)
-    share = share_of(run)
-    updated = ToolShare.objects.filter(tool_name=tool_name, limit_key=key, share=share).update(
-        last_grant=row.grants
-    )
-    if not updated:
-        ToolShare.objects.create(
-            tool_name=tool_name, limit_key=key, share=share, last_grant=row.grants
-        )
-    ToolWaiter.objects.filter(run_id=run.id).delete()
+        tat = max(cap.tat or cap.now, cap.now) + timedelta(seconds=limits.interval)
+    cp.update_row(ToolCapacity, cap.pk, grants=grants, tat=tat)
+    if cap.share_pk is not None:
+        cp.update_row(ToolShare, cap.share_pk, last_grant=grants)
+    else:
+        # the principal's first grant on this limit: its row from now on (once, ever)
+        ToolShare.objects.create(tool_name=tool_name, limit_key=key, share=share, last_grant=grants)
+    if cap.run_waits:
+        ToolWaiter.objects.filter(run_id=run.id).delete()
     if run.reason_detail.startswith(WAITING_PREFIX):
         cp.update(reason_detail="")
         run.reason_detail = ""
     cp.event(EventType.TOOL_CAPACITY_GRANTED, tool=tool_name, key=key, in_flight=cap.in_flight + 1)
-    if room > 1 or limits.rate is not None:
-        # room left for others, or the next token's time is known: wake whoever is next
+    if cap.anyone_waits and (room > 1 or limits.rate is not None):
+        # room left for others, or the next token's time is known: wake whoever is next.
+        # With nobody waiting under the lock, nobody is to wake: a waiter listed after this
+        # look wakes the line itself after its own commit (``wait_commit``), and its look at
+        # the capacity row waits for this transaction's lock, so it counts this dispatch
         transaction.on_commit(lambda: wake(tool_name, key))
 
 
@@ -340,6 +475,34 @@ def join_line(run: Run, full: AtCapacity) -> None:
     )
 
 
+# the runs this task process woke for a slot free now (``handing_over``): advanced by this
+# same process right after its slice, rather than after a queue's poll and another claim
+_handed_over: dict[Any, None] | None = None
+
+
+@contextmanager
+def handing_over() -> Iterator[None]:
+    """Inside a task (``runs.tasks.advance_run``): remember the runs ``wake`` woke for a
+    free slot, for ``take_handed_over``. Each is still enqueued as usual (another worker may
+    take it first — its claim then finds the lease taken — and a process that dies here
+    loses nothing)."""
+    global _handed_over
+    _handed_over = {}
+    try:
+        yield
+    finally:
+        _handed_over = None
+
+
+def take_handed_over() -> Any:
+    """The oldest run this task woke and has not advanced yet (None: none)."""
+    if not _handed_over:
+        return None
+    run_id = next(iter(_handed_over))
+    del _handed_over[run_id]
+    return run_id
+
+
 def wake(tool_name: str, key: str) -> int:
     """Wake the waiters whose turn it is, as many as there is room for now (or, for a rate,
     at the times its next tokens come). Holds no lock: each waiter's ``wake_at`` is brought
@@ -383,6 +546,8 @@ def wake(tool_name: str, key: str) -> int:
             woken += 1
             if at is None:
                 enqueue_run(run_id)
+                if _handed_over is not None:
+                    _handed_over[run_id] = None
     return woken
 
 

@@ -9,7 +9,8 @@ import time
 from django.conf import settings
 from django.db.models.functions import Now
 
-from runs import engine, tracing
+from runs import engine, flow, tracing
+from runs.engine import loop
 from runs.models import Worker
 
 
@@ -40,11 +41,28 @@ def advance_run(run_id: str) -> str:
     _stamp_last_task(name)
     started = time.monotonic()
     try:
-        return engine.advance(run_id, worker=name)
+        with flow.handing_over():
+            outcome = engine.advance(run_id, worker=name)
+            _advance_handed_over(name, started)
+        return outcome
     finally:
         # and again at the end of a long slice: it was not idleness
         if time.monotonic() - started > 1.0:
             _stamp_last_task(name, force=True)
+
+
+def _advance_handed_over(name: str, started: float) -> None:
+    """Under a binding limit (issue 26) the run that freed a slot woke the next waiter; this
+    process advances it at once (its queued task then finds it taken or done) instead of
+    leaving the slot idle for a poll and a claim. Bounded by the slice's time from the
+    task's start (each run's own slice is bounded too), and stops when the worker stops."""
+    while time.monotonic() - started < settings.AGENTOPS["SLICE_SECONDS"] and not (
+        loop._stop_requested()
+    ):
+        run_id = flow.take_handed_over()
+        if run_id is None:
+            return
+        engine.advance(run_id, worker=name)
 
 
 def canary(origin: str) -> None:

@@ -23,6 +23,10 @@ What it models:
   late ``POST /refunds`` or ``POST /notifications`` is refused without applying: 409
   ``{"error": "send_deadline_passed"}``, logged as refused.  ``GET /requests?late=1`` lists
   the late ones, ``GET /requests/summary`` counts them.
+* The load it sees (issue 26): ``GET /requests/summary`` reports the most writes it was
+  applying at once (``max_in_flight``) -- counted from the moment a write passed every
+  refusal to its answer, so a request refused as late, a 5xx fault and a lookup are never
+  in flight -- and its writes per second.
 * Both switches are shown by ``GET /health`` and changed at runtime by ``POST /mode``
   (``{"dedupe": true|false, "deadline": true|false}``, either or both).
 * ``GET /refunds?idempotency_key=K`` lets the caller reconcile an uncertain outcome.
@@ -59,7 +63,7 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from http import HTTPStatus
@@ -571,8 +575,9 @@ class SandboxStore:
         """How many requests were logged, how many arrived after their send deadline (and
         of those how many were applied anyway), and how many were refused as late; and the
         load the engine put on this downstream as the downstream saw it (issue 26): the most
-        writes it ever had in flight at once (``max_in_flight``, overall and by path: what a
-        concurrency limit must keep), and its writes per second (``peak_requests_per_second``
+        writes it was ever applying at once (``max_in_flight``, overall and by path: what a
+        concurrency limit must keep; a refused request or a lookup is never in flight, see
+        ``SandboxServer.in_flight``), and its writes per second (``peak_requests_per_second``
         in any one second, and the mean over the seconds between the first and the last)."""
         with self.read() as conn:
             row = conn.execute(
@@ -695,9 +700,12 @@ class SandboxServer(ThreadingHTTPServer):
 
     @contextmanager
     def in_flight(self, path: str) -> Iterator[None]:
-        """Count a write while this server handles it (from its arrival to its answer, or
-        the dropped connection): a new highest count is written down at once, so it
-        survives a restart of this process."""
+        """Count a write while this server applies it: from the moment it passed every
+        refusal (a late request with deadline checking on, an injected 5xx) to its answer,
+        or the dropped connection. A request refused, or a lookup, is never counted: it
+        applies nothing, and a sender's concurrency limit bounds what a downstream accepts.
+        A new highest count is written down at once, so it survives a restart of this
+        process."""
         with self._flight_lock:
             peaks = []
             for name in (path, "*"):
@@ -889,15 +897,9 @@ class SandboxHandler(BaseHTTPRequestHandler):
     def _logged(
         self, method: str, path: str, kind: str, handler: Callable[[Fault], Response]
     ) -> Response:
-        """``_log_and_handle``, counted as in flight while it is handled."""
-        with self.server.in_flight(path):
-            return self._log_and_handle(method, path, kind, handler)
-
-    def _log_and_handle(
-        self, method: str, path: str, kind: str, handler: Callable[[Fault], Response]
-    ) -> Response:
         """Log the request, refuse it if it is late and deadlines are checked, apply its
-        fault, run ``handler``, record the outcome."""
+        fault, run ``handler``, record the outcome. A write counts as in flight only while
+        it is being applied (``SandboxServer.in_flight``)."""
         store = self.server.store
         try:
             received = self._received()
@@ -939,19 +941,24 @@ class SandboxHandler(BaseHTTPRequestHandler):
         if fault.kind == "5xx":
             store.finish_request(log_id, applied=False, response_status=503)
             return Response(503, {"error": "unavailable", "detail": "injected fault"})
-        if fault.kind == "latency":
-            time.sleep(fault.latency_ms / 1000)
-        try:
-            response = handler(fault)
-        except ApiError as exc:
-            response = Response(exc.status, exc.payload())
-        except Exception as exc:  # record the outcome even when something breaks
-            self.log_error("internal error: %r", exc)
-            response = Response(500, {"error": "internal", "detail": repr(exc)})
-        if fault.kind == "drop":
-            store.finish_request(log_id, applied=response.applied, response_status=None)
-            raise _DropResponse
-        store.finish_request(log_id, applied=response.applied, response_status=response.status)
+        # past every refusal: from here the request is applied (its latency, its handler),
+        # and a write counts as in flight until its answer or its dropped connection. A
+        # lookup or a refused request applies nothing: a concurrency limit does not cover it
+        counted = self.server.in_flight(path) if method == "POST" else nullcontext()
+        with counted:
+            if fault.kind == "latency":
+                time.sleep(fault.latency_ms / 1000)
+            try:
+                response = handler(fault)
+            except ApiError as exc:
+                response = Response(exc.status, exc.payload())
+            except Exception as exc:  # record the outcome even when something breaks
+                self.log_error("internal error: %r", exc)
+                response = Response(500, {"error": "internal", "detail": repr(exc)})
+            if fault.kind == "drop":
+                store.finish_request(log_id, applied=response.applied, response_status=None)
+                raise _DropResponse
+            store.finish_request(log_id, applied=response.applied, response_status=response.status)
         return response
 
     def _received(self) -> Received:

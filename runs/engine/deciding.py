@@ -41,6 +41,7 @@ from runs.registry import (
     Effect,
     Fail,
     Finish,
+    Limits,
     Sleep,
     Tool,
     UnknownTool,
@@ -184,9 +185,14 @@ def decide_call(lease: Lease, action: CallTool, seq: int, *, execute: bool = Tru
         precondition_fingerprint=fingerprint,
         policy_input=facts,
     )
-    # a limited tool's call, or a call of a run a spend cap covers, is decided first, then
-    # dispatched under its limit and caps (``dispatch``): one more commit, for those only
-    limited = flow.limit_for(tool) is not None or spend.applies(run)
+    # a call of a run a spend cap covers is decided first, then dispatched under its caps
+    # (``dispatch``): one more commit, for those only. A limited tool's call is decided and
+    # dispatched under its limit in one commit, or decided and left waiting for capacity
+    limits = flow.limit_for(tool)
+    capped = spend.applies(run)
+    limited = limits is not None or capped
+    if execute and limits is not None and not capped and not revoked and not needs_approval:
+        return _decided_under_limit(lease, step, call, tool, limits)
     if (
         execute
         and not limited
@@ -240,10 +246,43 @@ def _denied_call(
     )
 
 
-def _record_decided(cp: Checkpoint, lease: Lease, step: Step, call: ToolCall) -> None:
-    """``decided`` for a tool call: its step and the call's events. The call itself is
-    inserted by the caller (after its step)."""
-    cp.insert(step)
+def _decided_under_limit(
+    lease: Lease, step: Step, call: ToolCall, tool: Tool, limits: Limits
+) -> str:
+    """A limited tool's new call (no approval asked, no spend cap): ``decided`` and, in the
+    same commit, either ``dispatching`` under the limit (``flow.acquire`` takes the slot in
+    this transaction, as an unlimited call's decision and dispatch share one) or the wait
+    for capacity — the decision is kept either way, and the agent is not asked again."""
+    run = lease.run
+    with lease.checkpoint() as cp:
+        # the decision's events first; its rows after the limit's look, so that they go
+        # with the commit's one statement rather than before that look
+        _record_decided(cp, lease, step, call, insert=False)
+        full = None
+        try:
+            flow.acquire(cp, run=run, call=call, tool_name=tool.name, limits=limits)
+        except flow.AtCapacity as over:
+            full = over  # nothing was granted: the decision waits, in this commit
+        cp.insert(step)
+        cp.insert(call)
+        if full is None:
+            _mark_dispatching(cp, call, lease, tool)
+        else:
+            flow.wait_commit(cp, run=run, call=call, seq=step.seq, full=full)
+    run.steps_used += 1
+    lease.steps.append(step)
+    if full is not None:
+        return Outcome.PARKED
+    return _execute(lease, step, call, tool)
+
+
+def _record_decided(
+    cp: Checkpoint, lease: Lease, step: Step, call: ToolCall, *, insert: bool = True
+) -> None:
+    """``decided`` for a tool call: its step (``insert``: else the caller inserts it) and
+    the call's events. The call itself is inserted by the caller (after its step)."""
+    if insert:
+        cp.insert(step)
     call.step = step
     cp.event(
         EventType.STEP_DECIDED,

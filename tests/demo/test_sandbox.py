@@ -658,3 +658,32 @@ def test_the_sandbox_reports_the_most_writes_it_had_in_flight_and_its_rate(
     assert summary["requests_per_second"]["/refunds"] > 0
     nodedupe.post("/reset")
     assert nodedupe.get("/requests/summary").json()["max_in_flight"] == 0
+
+
+def test_a_refused_late_write_and_a_lookup_are_never_in_flight(nodedupe: httpx.Client) -> None:
+    """A concurrency limit bounds the writes a downstream that checks send deadlines accepts
+    (docs/agents.md "Limits"): a frozen worker's late request, refused, applied nothing and
+    is not counted in flight, nor is a lookup — beside two refunds being applied, the most
+    in flight stays two."""
+    nodedupe.post("/mode", json={"deadline": True})
+    answers: list[int] = []
+
+    def slow(key: str) -> None:
+        answers.append(deadlined(nodedupe, "/refunds", key, _at(30), amount_cents=10).status_code)
+
+    nodedupe.post("/faults", json={"latency_ms": 600, "latency_next": 2})
+    threads = [threading.Thread(target=slow, args=(f"slow-{n}",)) for n in range(2)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.25)  # both are being applied now (600 ms each)
+    late = deadlined(nodedupe, "/refunds", "late", _at(-1))
+    assert late.status_code == 409
+    assert lookup(nodedupe, "slow-0").status_code == 200
+    for thread in threads:
+        thread.join()
+    assert answers == [201, 201]
+    (entry,) = nodedupe.get("/requests", params={"late": 1}).json()["requests"]
+    assert entry["refused"] is True and entry["applied"] is False
+    summary = nodedupe.get("/requests/summary").json()
+    assert summary["max_in_flight"] == 2
+    assert summary["max_in_flight_by_path"] == {"/refunds": 2}

@@ -275,6 +275,35 @@ def test_a_step_is_one_statement_with_policies_read_as_deployed():
 
 
 @needs_postgres
+@pytest.mark.django_db(transaction=True)
+def test_a_limit_that_does_not_bind_keeps_a_step_at_two_commits():
+    """Issue 26's "no extra round trip on the hot path": with a limit that does not bind,
+    an idempotent step's decision and dispatch still share one commit (the run's lock, the
+    capacity row's upsert-and-lock, ONE look at what holds a slot and who waits, and the
+    checkpoint's statement that also writes the grant), and after the receipt one look at
+    whether anyone waits for the slot it freed: 7 statements and 2 commits, where the
+    unlimited step is 2 and 2 (it was 15 and 3). No waiter or share row is written while
+    nobody waits (the principal's share row once, at its first grant)."""
+    from agentops.bench import measure
+    from agentops.bench.flowcontrol import NOT_BINDING, tool_limit
+    from runs.models import ToolShare, ToolWaiter
+
+    agents.register()
+    try:
+        free = measure.steady_state_counts(agent=agents.IDEMPOTENT_AGENT)
+        with tool_limit(agents.IdempotentAgent.tool_name, NOT_BINDING):
+            # the principal's share row is written at its first grant on the limit, once
+            measure.steady_state_counts(agent=agents.IDEMPOTENT_AGENT)
+            limited = measure.steady_state_counts(agent=agents.IDEMPOTENT_AGENT)
+            assert ToolShare.objects.count() == 1
+            assert not ToolWaiter.objects.exists()
+    finally:
+        agents.unregister()
+    assert (free["queries_per_step"], free["commits_per_step"]) == (2, 2), free
+    assert (limited["queries_per_step"], limited["commits_per_step"]) == (7, 2), limited
+
+
+@needs_postgres
 @pytest.mark.slow
 @pytest.mark.django_db(transaction=True)
 def test_the_flow_section_reports_a_limit_that_does_not_bind_and_the_sandbox_view_of_one_that_does(

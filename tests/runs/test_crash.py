@@ -6,14 +6,13 @@ deduplicate) has exactly one refund per idempotency key."""
 from __future__ import annotations
 
 import json
-import re
 import time
 from io import StringIO
 
 import httpx
 import pytest
 from django.conf import settings
-from django.core.management import CommandError, call_command
+from django.core.management import call_command
 
 from approvals.models import Approval
 from approvals.services import approval_decide
@@ -342,38 +341,23 @@ def test_chaos_with_a_tool_concurrency_limit_never_has_more_in_flight_at_the_san
     lease: the sandbox never had more than 2 refunds in flight at once (a slot is held until
     the receipt or the landing deadline, so a dead or frozen worker's request counts)."""
     out = StringIO()
-    over_limit = None
-    try:
-        call_command(
-            "chaos",
-            runs=8,
-            random_kills=3,
-            boundaries="none",
-            pauses=1,
-            sandbox_modes="key",
-            tool_concurrency=2,
-            timeout=240,
-            seed=26,
-            workers=2,
-            stdout=out,
-        )
-    except CommandError as exc:
-        # the one known failure, and only it (anything else fails the test): issue 26, open
-        if not re.fullmatch(
-            r"chaos: the sandbox had \d+ refunds in flight at once \(limit 2\)", str(exc)
-        ):
-            raise
-        over_limit = str(exc)
+    call_command(
+        "chaos",
+        runs=8,
+        random_kills=3,
+        boundaries="none",
+        pauses=1,
+        sandbox_modes="key",
+        tool_concurrency=2,
+        timeout=240,
+        seed=26,
+        workers=2,
+        stdout=out,
+    )
 
     report = json.loads(out.getvalue().strip().splitlines()[-1])
     assert report["tool_concurrency"] == 2
     assert report["duplicate_effects"] == 0
     assert report["lost_runs"] == 0
     assert report["succeeded"] == report["runs"] - report["parked_for_person"]
-    if over_limit:
-        pytest.xfail(
-            "issue 26, open: now and then the sandbox counts 3 refunds in flight under kills and "
-            "a pause (CI on SQLite 2026-12-06; 1 of 3 50-run chaos rounds on PostgreSQL) while "
-            f"the record's slots never overlap more than 2 — unexplained ({over_limit})"
-        )
     assert 1 <= report["max_in_flight_calls"] <= 2

@@ -388,3 +388,30 @@ def test_a_resumed_capacity_waiter_goes_at_once_not_after_its_fallback(register,
     assert (resumed.status, resumed.wake_at) == (Run.Status.QUEUED, None)
     assert drive(resumed.id).status == Run.Status.SUCCEEDED
     assert len(body.calls) == 2
+
+
+def test_the_task_that_frees_a_slot_advances_the_woken_waiter_itself(register, system_actor):
+    """Under a binding limit the slot does not stand idle for a queue's poll and a claim:
+    the task whose receipt freed it advances the waiter it woke, right after its slice."""
+    from runs.tasks import advance_run
+
+    second: dict = {}
+
+    def first_call_in_flight(arguments, ctx):
+        if arguments.get("n") == 1:
+            second["outcome"] = engine.advance(second["run"].id, worker="w2")
+
+    body = CountingTool(first_call_in_flight)
+    register(
+        _limited_tool("handed_over", body, Limits(max_in_flight=1)),
+        _one_call_agent("limited", "handed_over"),
+    )
+    first = run_create(agent_name="limited", input={"n": 1}, actor=system_actor)
+    second["run"] = run_create(agent_name="limited", input={"n": 2}, actor=system_actor)
+
+    advance_run(str(first.id))
+
+    assert second["outcome"] == "parked"
+    assert [c["arguments"]["n"] for c in body.calls] == [1, 2]
+    assert Run.objects.get(id=first.id).status == Run.Status.SUCCEEDED
+    assert Run.objects.get(id=second["run"].id).status == Run.Status.SUCCEEDED
