@@ -409,8 +409,9 @@ def _estimate(table: str) -> int:
     # a partitioned table (the events, runs 0031) holds no rows itself: its partitions do
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT sum(greatest(c.reltuples, 0))::bigint FROM pg_partition_tree(%s::regclass) t"
-            " JOIN pg_class c ON c.oid = t.relid WHERE t.isleaf",
+            "SELECT CASE WHEN c.relkind = 'p' THEN (SELECT sum(greatest(l.reltuples, 0))::bigint"
+            " FROM pg_partition_tree(c.oid) t JOIN pg_class l ON l.oid = t.relid WHERE t.isleaf)"
+            " ELSE c.reltuples::bigint END FROM pg_class c WHERE c.relname = %s",
             [table],
         )
         row = cursor.fetchone()

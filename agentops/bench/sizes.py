@@ -33,9 +33,10 @@ def table_sizes() -> dict[str, int]:
     with connection.cursor() as cursor:
         # a partitioned table (the events, runs 0031) is the sum of its partitions
         cursor.execute(
-            "SELECT c.relname, sum(pg_total_relation_size(t.relid))::bigint FROM pg_class c, "
-            "pg_partition_tree(c.oid) t WHERE c.relname = ANY(%s) AND c.relkind IN ('r', 'p') "
-            "GROUP BY c.relname",
+            "SELECT c.relname, CASE WHEN c.relkind = 'p' THEN (SELECT "
+            "sum(pg_total_relation_size(t.relid))::bigint FROM pg_partition_tree(c.oid) t) "
+            "ELSE pg_total_relation_size(c.oid) END FROM pg_class c "
+            "WHERE c.relname = ANY(%s) AND c.relkind IN ('r', 'p')",
             [list(TABLES)],
         )
         return dict(cursor.fetchall())
