@@ -22,6 +22,9 @@ partitions, as the owner, and deletes no row.
 calls it, as the owner); when the DEFAULT partition already holds events of that month it
 moves them into the new partition in the same transaction.
 
+Roles keep the privileges they held on the old table (the application's role: SELECT and
+INSERT); the partitions get none, so the application reaches them only through the parent.
+
 On SQLite the column is filled from the runs and the table stays as it is.
 """
 
@@ -197,6 +200,14 @@ def _partition(cursor) -> None:
         )
     else:
         cursor.execute(f"ALTER SEQUENCE {sequence} OWNED BY {EVENTS}.id")
+    # the privileges roles held on the old table (the application's role: SELECT, INSERT;
+    # runs.dbrole), so it keeps working before `db_app_role --apply` runs again
+    for role, privilege in rows(
+        f"SELECT r.rolname, a.privilege_type FROM pg_class c, aclexplode(c.relacl) a "
+        f"JOIN pg_roles r ON r.oid = a.grantee WHERE c.oid = '{OLD}'::regclass "
+        f"AND a.grantee <> c.relowner"
+    ):
+        cursor.execute(f'GRANT {privilege} ON {EVENTS} TO "{role}"')
     # the copy's foreign-key checks now, not at commit: ALTER and DROP refuse pending ones
     cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
     cursor.execute(f"DROP TABLE {OLD}")
