@@ -556,11 +556,19 @@ class RunEvent(models.Model):
     payload_digest = models.CharField(max_length=64)
     prev_hash = models.CharField(max_length=64)
     hash = models.CharField(max_length=64)
+    # The run's creation time, copied at insert (on PostgreSQL from the run row the
+    # checkpoint's statement updates). PostgreSQL partitions the events by it, a month per
+    # partition (runs 0031), so retention drops a month of runs' events as one table; there
+    # it is part of the primary key (id, run_created_at) and of event_run_seq_uniq
+    # (run, seq, run_created_at), as partitioning requires. Not hashed: it is the run's.
+    run_created_at = models.DateTimeField(editable=False)
 
     objects = RunEventQuerySet.as_manager()
 
     class Meta:
         ordering = ["run", "seq"]
+        # on PostgreSQL the database's constraint also holds run_created_at (runs 0031): the
+        # same rule, as the run fixes it
         constraints = [models.UniqueConstraint(fields=["run", "seq"], name="event_run_seq_uniq")]
         indexes = [
             models.Index(fields=["type", "-created_at"], name="event_type_created_idx"),

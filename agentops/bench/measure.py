@@ -349,14 +349,22 @@ def table_writes(settings_dict: dict[str, Any]) -> dict:
     """PostgreSQL's per-table write counters over the whole benchmark: how many updates
     were HOT (no index touched) is where the database's CPU per step goes."""
     with psycopg.connect(**conninfo(settings_dict), autocommit=True) as conn:
+        # the events are partitioned (runs 0031): their partitions' counters, summed
         rows = conn.execute(
-            "SELECT relname, n_tup_ins, n_tup_upd, n_tup_hot_upd, "
-            "(SELECT count(*) FROM pg_index i WHERE i.indrelid = s.relid) "
-            "FROM pg_stat_user_tables s WHERE relname = ANY(%s) ORDER BY relname",
+            "SELECT CASE WHEN relname LIKE 'runs\\_runevent\\_%%' THEN 'runs_runevent' "
+            "ELSE relname END AS name, sum(n_tup_ins), sum(n_tup_upd), sum(n_tup_hot_upd), "
+            "max((SELECT count(*) FROM pg_index i WHERE i.indrelid = s.relid)) "
+            "FROM pg_stat_user_tables s WHERE relname = ANY(%s) "
+            "OR relname LIKE 'runs\\_runevent\\_%%' GROUP BY 1 ORDER BY 1",
             [["runs_run", "runs_step", "runs_toolcall", "runs_toolreceipt", "runs_runevent"]],
         ).fetchall()
     return {
-        name: {"inserts": ins, "updates": upd, "hot_updates": hot, "indexes": indexes}
+        name: {
+            "inserts": int(ins),
+            "updates": int(upd),
+            "hot_updates": int(hot),
+            "indexes": indexes,
+        }
         for name, ins, upd, hot, indexes in rows
     }
 

@@ -31,9 +31,12 @@ TABLES = ("runs_run", "runs_runevent", "runs_step", "runs_toolcall", "runs_toolr
 
 def table_sizes() -> dict[str, int]:
     with connection.cursor() as cursor:
+        # a partitioned table (the events, runs 0031) is the sum of its partitions
         cursor.execute(
-            "SELECT relname, pg_total_relation_size(oid) FROM pg_class "
-            "WHERE relname = ANY(%s) AND relkind = 'r'",
+            "SELECT c.relname, CASE WHEN c.relkind = 'p' THEN (SELECT "
+            "sum(pg_total_relation_size(t.relid))::bigint FROM pg_partition_tree(c.oid) t) "
+            "ELSE pg_total_relation_size(c.oid) END FROM pg_class c "
+            "WHERE c.relname = ANY(%s) AND c.relkind IN ('r', 'p')",
             [list(TABLES)],
         )
         return dict(cursor.fetchall())

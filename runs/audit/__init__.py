@@ -6,7 +6,8 @@
 - ``heads``: pinned heads (``audit_verify --write-head/--expect-head``);
 - ``export``: streaming exports (keyset iteration, events as rows, CSV and JSON lines);
 - ``accounts``: sign-ins, lockouts, unlocks and role snapshots of people;
-- ``retention``: pruning old terminal runs.
+- ``retention``: pruning old terminal runs; archiving and dropping whole months of events;
+- ``partitions``: the events' monthly partitions on PostgreSQL (what ``retention`` drops).
 
 What verification does not prove: that a chain was not recomputed wholesale by someone with
 write access to the database and this code (the hashes are not signed with a secret), that the

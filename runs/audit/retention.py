@@ -17,7 +17,7 @@ from django.db import connection, transaction
 from django.db.models import Exists, F, OuterRef, QuerySet
 from django.utils import timezone
 
-from runs.errors import InvalidInput, InvalidState, PermissionDenied
+from runs.errors import InvalidInput, InvalidState
 from runs.models import ArchivedChain, Run, RunEvent
 from runs.record.eventtypes import EventType
 
@@ -130,8 +130,8 @@ def run_prune(
 # then exported as JSON lines with a heads file (per run: the last event's seq and hash, how
 # many events, their id range; the events file's SHA-256), synced to disk, and only then
 # recorded as archived (``ArchivedChain``, one audit entry). Dropping them (PostgreSQL, as the
-# tables' owner) is a separate step: the append-only trigger lets through the DELETE of an
-# archived event and nothing else. The run rows stay, with their heads (``event_seq``,
+# tables' owner) is a separate step: the month's partition of the events is detached and
+# dropped (``runs.audit.partitions``); no row is deleted. The run rows stay, with their heads (``event_seq``,
 # ``last_event_hash``): an event written later links to the archived head, and
 # ``audit_verify`` checks that the stored chain starts where the export ended.
 
@@ -325,42 +325,63 @@ def archive_month(month: date, directory: Path, *, actor: Any) -> dict[str, Any]
 
 
 def drop_month(month: date, *, actor: Any) -> dict[str, Any]:
-    """Delete the archived events of ``month`` (PostgreSQL; as a role holding DELETE on the
-    events: the owner). One transaction: the DELETE, the runs marked dropped, an audit entry."""
+    """Drop the archived events of ``month`` (PostgreSQL, as the tables' owner): its
+    partition detached and dropped — no row deleted, no chain rewritten, the space back at
+    once. One transaction: the checks, the DETACH and DROP, the runs marked dropped, an audit
+    entry. Refused unless every event stored in the partition was exported and every
+    exported event of the month is in it."""
+    from runs.audit import partitions
     from runs.audit.entries import audit_record
 
     label = month.strftime("%Y-%m")
-    if connection.vendor != "postgresql":
+    if not partitions.partitioned():
         raise InvalidState(
             "dropping events is for PostgreSQL; on SQLite keep them (prune empties the rest)"
         )
-    events = connection.ops.quote_name(RunEvent._meta.db_table)
-    archived = connection.ops.quote_name(ArchivedChain._meta.db_table)
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT has_table_privilege(%s, 'DELETE'), current_user", [events])
-        may_delete, role = cursor.fetchone()
-    if not may_delete:
-        raise PermissionDenied(
-            f"role {role} may not delete events: drop as the tables' owner (the role "
-            "migrations run as), not the application's role"
+    partitions.require_owner("drop events")
+    quote = connection.ops.quote_name
+    events, archived = quote(RunEvent._meta.db_table), quote(ArchivedChain._meta.db_table)
+    with transaction.atomic(), connection.cursor() as cursor:
+        # ALTER TABLE refuses a table with foreign-key checks still pending in this
+        # transaction; a lock the engine holds for long is not waited for (retry later)
+        cursor.execute("SET CONSTRAINTS ALL IMMEDIATE")
+        cursor.execute("SET LOCAL lock_timeout = '10s'")
+        # the month in a partition of its own, taken out of DEFAULT if its events are there
+        name = partitions.ensure_partition(month)
+        # nothing is appended to the month's runs (all terminal) until this commits
+        cursor.execute(f"LOCK TABLE {quote(name)} IN SHARE MODE")
+        cursor.execute(
+            f"SELECT count(*), count(*) FILTER (WHERE a.run_id IS NULL OR e.seq > a.seq) "
+            f"FROM {quote(name)} e LEFT JOIN {archived} a ON a.run_id = e.run_id "
+            "AND a.month = %s AND a.dropped_at IS NULL",
+            [month],
         )
-    with transaction.atomic():
-        with connection.cursor() as cursor:
-            # the append-only trigger lets an archived event's DELETE through in this
-            # transaction only (migration 0028); SET LOCAL ends with it (and is safe behind a
-            # transaction-pooling proxy)
-            cursor.execute("SET LOCAL agentops.drop_archived = 'on'")
-            cursor.execute(
-                f"DELETE FROM {events} e USING {archived} a WHERE a.run_id = e.run_id "
-                "AND e.seq <= a.seq AND a.month = %s AND a.dropped_at IS NULL",
-                [month],
-            )
-            deleted = cursor.rowcount
-        runs = ArchivedChain.objects.filter(month=month, dropped_at__isnull=True)
-        count = runs.update(dropped_at=timezone.now())
-        if not count:
+        stored, not_exported = cursor.fetchone()
+        cursor.execute(
+            f"SELECT count(*), coalesce(sum(events), 0) FROM {archived} "
+            "WHERE month = %s AND dropped_at IS NULL",
+            [month],
+        )
+        runs, exported = cursor.fetchone()
+        if not runs:
             raise InvalidState(f"{label}: nothing archived is left to drop")
-        summary = {"month": label, "runs": count, "events": deleted, **_who()}
+        if not_exported:
+            raise InvalidState(
+                f"{label}: not dropped: {not_exported} stored event(s) of the month were not "
+                "exported (written after the archive, or of a run not archived)"
+            )
+        if stored != exported:
+            raise InvalidState(
+                f"{label}: not dropped: {exported} event(s) were exported, {name} holds {stored}"
+            )
+        # not CONCURRENTLY: PostgreSQL refuses that while a DEFAULT partition exists; this
+        # DETACH holds the events' lock for a change of the catalogue only
+        cursor.execute(f"ALTER TABLE {events} DETACH PARTITION {quote(name)}")
+        cursor.execute(f"DROP TABLE {quote(name)}")
+        count = ArchivedChain.objects.filter(month=month, dropped_at__isnull=True).update(
+            dropped_at=timezone.now()
+        )
+        summary = {"month": label, "runs": count, "events": stored, "partition": name, **_who()}
         audit_record(
             action="events.dropped",
             actor=actor.label,

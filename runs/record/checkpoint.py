@@ -56,7 +56,8 @@ def lease_expiry(seconds: float | None = None) -> DbNow:
 class Event:
     """An event on its way into the record: a ``RunEvent`` row once written, a plain object
     until then (building a model instance per event cost more than the rest of its write).
-    ``seq``, ``created_at``, ``prev_hash`` and ``hash`` are set by the write."""
+    ``seq``, ``created_at``, ``run_created_at``, ``prev_hash`` and ``hash`` are set by the
+    write."""
 
     __slots__ = tuple(f.attname for f in RunEvent._meta.concrete_fields if not f.primary_key)
     # what the write path reads of the slots (every RunEvent column has one)
@@ -64,6 +65,7 @@ class Event:
     payload: dict[str, Any]
     seq: int
     created_at: datetime
+    run_created_at: datetime | None
     payload_digest: str
     prev_hash: str
     hash: str
@@ -323,10 +325,15 @@ def _write(cp: Checkpoint, *, renew_lease: bool, unlocked: bool = False) -> bool
     prev_hash = run.last_event_hash or anchor_hash(run.id)
     expect_seq = seq = run.event_seq
     now = timezone.now()
+    # the run's creation time as the lock (LOCKED_FIELDS) or the claim read it — a deferred
+    # field is absent from the instance's dict, so this never queries; PostgreSQL's one
+    # statement takes it from the run row it updates instead
+    run_created_at = vars(run).get("created_at")
     for event in cp.events:
         seq += 1
         event.seq = seq
         event.created_at = now
+        event.run_created_at = run_created_at
         event.payload_digest = payload_digest(event.payload)
         event.prev_hash = prev_hash
         event.hash = event_hash(event)

@@ -23,6 +23,8 @@ LOCKED_FIELDS = (
     "fence",
     "event_seq",
     "last_event_hash",
+    # copied into every event (RunEvent.run_created_at: the events' partition key)
+    "created_at",
     "requested_action",
     "requested_by",
     "requested_reason",

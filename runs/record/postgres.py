@@ -411,10 +411,17 @@ def _write_in_one_statement(cp: Checkpoint, update: tuple[str, list[Any]], expec
     return updated
 
 
-# (column, attname) of an event row, as json_populate_recordset fills it
+# (column, attname) of an event row, as json_populate_recordset fills it; the run's creation
+# time (the events' partition key) comes from the run row the statement updates instead
 _EVENT_COLUMNS = [
-    (f.column, f.attname) for f in RunEvent._meta.concrete_fields if not f.primary_key
+    (f.column, f.attname)
+    for f in RunEvent._meta.concrete_fields
+    if not f.primary_key and f.attname != "run_created_at"
 ]
+_RUN_CREATED_AT = (
+    _field(RunEvent, "run_created_at").column,
+    _field(Run, "created_at").column,
+)
 
 
 def _json(value: Any) -> str:
@@ -431,9 +438,11 @@ def _one_statement_sql(
     live_fields: tuple[str, ...],
 ) -> tuple[str, list[Any], list[Any]]:
     live = [_field(Run, name) for name in live_fields]
+    event_key, run_created = (_quote(column) for column in _RUN_CREATED_AT)
     ctes = [
         f"up AS ({update_sql} AND {_quote(_field(Run, 'event_seq').column)} = %s "
-        f"RETURNING {', '.join(_quote(f.column) for f in live)})"
+        f"RETURNING {', '.join(_quote(f.column) for f in live)}, "
+        f"{run_created} AS run_created_for_events)"
     ]
     plans, selected = [], []
     for index, (obj, link_, now_fields) in enumerate(zip(cp.inserts, found, db_now, strict=True)):
@@ -471,8 +480,8 @@ def _one_statement_sql(
     events = _quote(RunEvent._meta.db_table)
     columns = [_quote(column) for column, _attname in _EVENT_COLUMNS]
     ctes.append(
-        f"ev AS (INSERT INTO {events} ({', '.join(columns)}) "
-        f"SELECT {', '.join('v.' + c for c in columns)} "
+        f"ev AS (INSERT INTO {events} ({', '.join(columns)}, {event_key}) "
+        f"SELECT {', '.join('v.' + c for c in columns)}, up.run_created_for_events "
         f"FROM up, json_populate_recordset(NULL::{events}, %s::json) AS v)"
     )
     sql = (

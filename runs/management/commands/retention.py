@@ -1,12 +1,16 @@
-"""``python manage.py retention --before YYYY-MM [--archive DIR] [--drop]``
+"""``python manage.py retention --before YYYY-MM [--archive DIR] [--drop] [--create-ahead N]``
 
 Retention of events by whole months (docs/operations.md, "Retention"): the runs created in a
 month (UTC) before ``--before`` are archived when every one of them is terminal and pruned —
 their chains verified, their events exported as JSON lines to ``DIR`` with a heads file (each
 run's last seq and hash), synced, then recorded (``ArchivedChain``, an ``events.archived``
-audit entry). ``--drop`` deletes the events of months wholly archived (PostgreSQL, connected as
-the tables' owner); the run rows and their heads stay, so ``audit_verify`` still checks every
-chain that remains. Without ``--archive`` or ``--drop`` it only reports each month's state.
+audit entry). ``--drop`` detaches and drops the events' partition of months wholly archived
+(PostgreSQL, connected as the tables' owner); the run rows and their heads stay, so
+``audit_verify`` still checks every chain that remains. Without ``--archive`` or ``--drop`` it only reports each month's state.
+
+``--create-ahead N`` (PostgreSQL, as the owner; monthly from cron) creates the events'
+partitions of this month and the next N, and of any month whose events landed in the
+``DEFAULT`` partition (moving them into their own); ``--before`` is then optional.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from django.db import OperationalError
 from django.utils import timezone
 
 from runs.actors import Actor
+from runs.audit import partitions
 from runs.audit.retention import MonthState, archive_month, drop_month, month_states, parse_month
 from runs.errors import DomainError
 from runs.management.options import archive_directory
@@ -29,7 +34,6 @@ class Command(BaseCommand):
     def add_arguments(self, parser):
         parser.add_argument(
             "--before",
-            required=True,
             metavar="YYYY-MM",
             help="only months before this one (by their runs' creation, UTC); at most the "
             "current month",
@@ -43,10 +47,25 @@ class Command(BaseCommand):
         parser.add_argument(
             "--drop",
             action="store_true",
-            help="delete the stored events of wholly archived months (PostgreSQL, as the owner)",
+            help="detach and drop the events' partitions of wholly archived months "
+            "(PostgreSQL, as the owner)",
+        )
+        parser.add_argument(
+            "--create-ahead",
+            type=int,
+            default=None,
+            metavar="N",
+            help="create the events' partitions of this month and the next N months "
+            "(PostgreSQL, as the owner; run monthly)",
         )
 
     def handle(self, *args, **options):
+        if options["create_ahead"] is not None:
+            self._create_ahead(options["create_ahead"])
+            if options["before"] is None:
+                return
+        elif options["before"] is None:
+            raise CommandError("--before YYYY-MM is required (unless --create-ahead N)")
         try:
             before = parse_month(options["before"])
         except DomainError as exc:
@@ -68,6 +87,18 @@ class Command(BaseCommand):
             raise CommandError(
                 f"cannot reach the database: {str(exc).strip().splitlines()[0]}"
             ) from None
+
+    def _create_ahead(self, months: int) -> None:
+        if months < 0:
+            raise CommandError("--create-ahead: a number of months, 0 or more")
+        try:
+            created = partitions.create_ahead(months)
+        except DomainError as exc:
+            raise CommandError(str(exc)) from None
+        for name in created:
+            self.stdout.write(f"created partition {name}")
+        if not created:
+            self.stdout.write(f"partitions in place for this month and the next {months}")
 
     def _month(self, state: MonthState, directory: Path | None, drop: bool, actor) -> None:
         line = (
