@@ -1,3 +1,6 @@
+# size: one concern, the limits of a tool (acquire in the dispatching transaction, the durable
+# line of waiters and its fair wake-ups, the operators' services): split, acquire and wake would
+# read across modules every rule they share (issue 26 left a split by side as a follow-up)
 """Flow control: per-tool limits shared by every worker (DESIGN §9, docs/agents.md "Limits").
 
 A tool may declare ``Limits`` (``Tool.limits``) and an operator may set one at run time
